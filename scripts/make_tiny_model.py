@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""Write the tiny GLM-5 model directory (config + tokenizer, no weights; serve it with
+`--load-format dummy`), or check that a directory is exactly what this writes.
+
+    python3 scripts/make_tiny_model.py OUT_DIR
+    python3 scripts/make_tiny_model.py --check DIR
+
+Exit codes: 0 written / identical; 1 the directory differs (--check) or cannot be written;
+2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dsa_image.tiny_model import TinyModelError, model_dir_differences, write_model  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path, help="where to write the model (must not exist or be empty)")
+    parser.add_argument("--check", action="store_true", help="compare DIR with what would be written; write nothing")
+    args = parser.parse_args(argv)
+    if args.check:
+        differences = model_dir_differences(args.directory)
+        for line in differences:
+            print(f"{args.directory}: {line}", file=sys.stderr)
+        if differences:
+            print("regenerate it with: python3 scripts/make_tiny_model.py DIR", file=sys.stderr)
+        return 1 if differences else 0
+    try:
+        written = write_model(args.directory)
+    except (TinyModelError, OSError) as e:
+        print(f"make_tiny_model: {e}", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
