@@ -1,0 +1,1 @@
+"""Importable, stdlib-only code behind scripts/: recipe, wheels, lock, bake, overlay."""

@@ -1,0 +1,160 @@
+"""Fetch wheels from PyPI into a local cache, verified by sha256 on every use.
+
+Stdlib only. PyPI's JSON API (/pypi/<name>/json) is not used: the PEP 691 simple index is
+the interface pip and uv use, and the one every mirror serves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PYPI_SIMPLE = "https://pypi.org/simple"
+_SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+_CHUNK = 1 << 20
+
+
+class WheelError(Exception):
+    """A wheel could not be found, fetched or verified. The message says what to do."""
+
+
+@dataclass(frozen=True)
+class IndexFile:
+    filename: str
+    url: str
+    sha256: str
+
+
+def cache_dir() -> Path:
+    """Where downloaded artefacts live: $DSA_IMAGE_CACHE, default ~/.cache/dsa-image."""
+    return Path(os.environ.get("DSA_IMAGE_CACHE") or Path.home() / ".cache" / "dsa-image")
+
+
+def wheel_cache_path(filename: str) -> Path:
+    return cache_dir() / "wheels" / filename
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def project_of(filename: str) -> str:
+    """The normalized project name of a wheel filename (PEP 427 / PEP 503)."""
+    if not filename.endswith(".whl") or filename.count("-") < 4:
+        raise WheelError(f"{filename}: not a wheel filename (name-version-python-abi-platform.whl)")
+    return filename.split("-", 1)[0].lower().replace("_", "-").replace(".", "-")
+
+
+def index_files(project: str, index_url: str = PYPI_SIMPLE, timeout: float = 60) -> list[IndexFile]:
+    """The files the PEP 691 simple index lists for `project`, with their sha256."""
+    url = f"{index_url.rstrip('/')}/{project}/"
+    request = urllib.request.Request(url, headers={"Accept": _SIMPLE_JSON})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            page = json.load(response)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise WheelError(f"cannot read the package index {url}: {exc}") from exc
+    files = []
+    for entry in page.get("files", []):
+        sha = entry.get("hashes", {}).get("sha256")
+        if sha:
+            files.append(IndexFile(entry["filename"], urllib.parse.urljoin(url, entry["url"]), sha))
+    return files
+
+
+def index_file(filename: str, index_url: str = PYPI_SIMPLE) -> IndexFile:
+    for entry in index_files(project_of(filename), index_url):
+        if entry.filename == filename:
+            return entry
+    raise WheelError(f"{filename}: not listed by {index_url}/{project_of(filename)}/")
+
+
+def _download(entry: IndexFile, dest: Path, timeout: float = 120) -> str:
+    """Stream `entry` into `dest` (atomically: temp file, then rename); returns its sha256."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(entry.url, timeout=timeout) as response:
+            while chunk := response.read(_CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() != entry.sha256:
+            raise WheelError(
+                f"{entry.filename}: downloaded file has sha256 {digest.hexdigest()}, the index says "
+                f"{entry.sha256}. Nothing was cached; retry, or check the network path."
+            )
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache is shared like pip's
+        os.replace(tmp, dest)
+    except (urllib.error.URLError, OSError) as exc:
+        raise WheelError(f"{entry.filename}: download from {entry.url} failed: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return digest.hexdigest()
+
+
+def ensure_wheel(filename: str, sha256: str, index_url: str = PYPI_SIMPLE) -> Path:
+    """Path of the cached wheel `filename`, downloading it when absent; its sha256 must equal
+    `sha256` (the recipe's pin), checked on every call."""
+    if not sha256:
+        raise WheelError(
+            f"{filename}: the recipe has no sha256 for it yet; run `python3 scripts/recipe.py lock`"
+        )
+    path = wheel_cache_path(filename)
+    if not path.exists():
+        entry = index_file(filename, index_url)
+        if entry.sha256 != sha256:
+            raise WheelError(
+                f"{filename}: the recipe pins sha256 {sha256}, the index lists {entry.sha256}. "
+                "Nothing was downloaded; re-run `python3 scripts/recipe.py lock` if the pin is stale."
+            )
+        _download(entry, path)
+    found = sha256_file(path)
+    if found != sha256:
+        raise WheelError(
+            f"{path}: cached wheel has sha256 {found}, the recipe pins {sha256}. "
+            "Delete the cached file to download it again."
+        )
+    return path
+
+
+def lock_wheel(filename: str, index_url: str = PYPI_SIMPLE) -> tuple[Path, str]:
+    """Fetch (or reuse the cached) `filename` and return its path and sha256, computed from the
+    file and required to equal the index's sha256. The only source of wheel pins."""
+    entry = index_file(filename, index_url)
+    path = wheel_cache_path(filename)
+    if path.exists():
+        found = sha256_file(path)
+        if found != entry.sha256:
+            raise WheelError(
+                f"{path}: cached wheel has sha256 {found}, the index lists {entry.sha256}. "
+                "Delete the cached file to download it again."
+            )
+        return path, found
+    return path, _download(entry, path)
+
+
+def read_member(wheel: Path, member: str) -> bytes | None:
+    """Bytes of `member` (a path like vllm/envs.py) inside the wheel, or None when absent."""
+    with zipfile.ZipFile(wheel) as archive:
+        try:
+            return archive.read(member)
+        except KeyError:
+            return None
