@@ -1,0 +1,1212 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import vllm.envs as envs
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.triton_utils import tl, triton
+from vllm.utils.deep_gemm import (
+    get_paged_mqa_logits_metadata,
+    has_deep_gemm,
+)
+from vllm.utils.math_utils import cdiv
+from vllm.utils.platform_utils import num_compute_units
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.mla import b12x_indexer
+from vllm.v1.attention.backends.utils import (
+    split_decodes_and_prefills,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+from vllm.v1.worker.cp_utils import get_total_cp_world_size
+
+logger = init_logger(__name__)
+
+
+@triton.jit
+def _prepare_uniform_decode_kernel(
+    seq_lens_ptr,
+    decode_seq_lens_ptr,
+    block_table_ptr,
+    block_table_stride,
+    block_table_width,
+    expanded_block_table_ptr,
+    expanded_bt_stride,
+    decode_lens_ptr,
+    max_decode_len,
+    BLOCK_SIZE: tl.constexpr,
+):
+    idx = tl.program_id(0)
+    req_id = idx // max_decode_len
+    local_idx = idx % max_decode_len
+
+    # Compute number of KVs attended to by this token.
+    seq_len = tl.load(seq_lens_ptr + req_id)
+    per_token_seq_len = seq_len - max_decode_len + local_idx + 1
+    tl.store(decode_seq_lens_ptr + idx, per_token_seq_len)
+
+    # Copy block table row. The expanded buffer may be wider than the runner's
+    # table (slack columns): copy the source width, never read past its row.
+    src = block_table_ptr + req_id * block_table_stride
+    dst = expanded_block_table_ptr + idx * expanded_bt_stride
+    for i in tl.range(0, block_table_width, BLOCK_SIZE):
+        off = i + tl.arange(0, BLOCK_SIZE)
+        mask = off < block_table_width
+        src_block = tl.load(src + off, mask=mask)
+        tl.store(dst + off, src_block, mask=mask)
+
+    # All reqs now have decode_len = 1.
+    tl.store(decode_lens_ptr + idx, 1)
+
+
+def split_indexer_prefill_chunks(
+    seq_lens_cpu: np.ndarray | torch.Tensor,
+    query_lens_cpu: np.ndarray | torch.Tensor,
+    workspace_size: int,
+    max_logits_bytes: int,
+    request_offset: int = 0,
+) -> list[tuple[slice, slice]]:
+    """
+    Split prefill requests into chunks for the sparse indexer, respecting:
+    - N constraint: total_seq_lens <= workspace_size (existing O(N) workspace)
+    - Logits constraint: M * N * 4 <= max_logits_bytes
+
+    When a single request-level chunk still exceeds the logits budget,
+    sub-chunks on the query dimension (M) to bound peak memory.
+
+    Returns list of (req_slice, query_slice) tuples.
+
+    Takes host arrays: numpy (the fast path the builder uses) or CPU tensors.
+    """
+    seq_lens_cpu = _as_host_array(seq_lens_cpu)
+    query_lens_cpu = _as_host_array(query_lens_cpu)
+    chunks: list[tuple[slice, slice]] = []
+    n = len(seq_lens_cpu)
+    max_logits_elems = max_logits_bytes // 4
+    end = 0
+
+    while end < n:
+        start, chunk_m, chunk_n = end, 0, 0
+
+        while end < n:
+            q, s = int(query_lens_cpu[end]), int(seq_lens_cpu[end])
+            new_m, new_n = chunk_m + q, chunk_n + s
+            if new_n <= workspace_size and new_m * new_n <= max_logits_elems:
+                chunk_m, chunk_n = new_m, new_n
+                end += 1
+            else:
+                break
+
+        # A single request can exceed the budget, requiring sub-chunking
+        # on the query dimension.
+        if end == start:
+            chunk_m, chunk_n = int(query_lens_cpu[end]), int(seq_lens_cpu[end])
+            end += 1
+
+        req_slice = slice(start + request_offset, end + request_offset)
+        max_q = max(1, max_logits_elems // chunk_n) if chunk_n > 0 else chunk_m
+        for q_off in range(0, chunk_m, max_q):
+            sub_m = min(max_q, chunk_m - q_off)
+            chunks.append((req_slice, slice(q_off, q_off + sub_m)))
+
+    return chunks
+
+
+def _as_host_array(values: np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        assert values.device.type == "cpu", "host lengths must be on the CPU"
+        return values.numpy()
+    return values
+
+
+def dcp_local_lens(
+    seq_lens, dcp_world_size: int, dcp_rank: int, interleave: int
+):
+    """KV positions of each sequence stored on ``dcp_rank`` under DCP.
+
+    Positions are dealt round-robin to ranks in runs of ``interleave``; this is
+    vLLM's ``get_dcp_local_seq_lens`` for one rank, written with scalar rank
+    arithmetic so it works on CUDA tensors without a host-to-device copy (no
+    sync), on CPU tensors, numpy arrays and Python ints alike.
+    """
+    base = seq_lens // interleave // dcp_world_size * interleave
+    remainder = seq_lens - base * dcp_world_size - dcp_rank * interleave
+    if isinstance(remainder, torch.Tensor):
+        remainder = remainder.clamp(0, interleave)
+    else:
+        remainder = np.clip(remainder, 0, interleave)
+    return base + remainder
+
+
+class DeepseekV32IndexerBackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "DEEPSEEK_V32_INDEXER"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [1, 64] if current_platform.is_rocm() else [64]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [32, 64, 128]
+
+    @staticmethod
+    def get_builder_cls() -> type["DeepseekV32IndexerMetadataBuilder"]:
+        return DeepseekV32IndexerMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        assert num_kv_heads == 1
+        return (num_blocks, block_size, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(
+        include_num_layers_dimension: bool = False,
+    ) -> tuple[int, ...]:
+        if include_num_layers_dimension:
+            # DeepseekV32Indexer kernels do not support cross-layer
+            # KV cache layout. Identity permutation keeps num_layers
+            # first, signaling incompatibility.
+            return (0, 1, 2, 3)
+        return (0, 1, 2)
+
+
+class DeepseekV4IndexerBackend(DeepseekV32IndexerBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "DEEPSEEK_V4_INDEXER"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [256]
+
+
+@dataclass
+class DeepseekV32IndexerPrefillChunkMetadata:
+    block_table: torch.Tensor
+    cu_seqlen_ks: torch.Tensor
+    cu_seqlen_ke: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    token_to_seq: torch.Tensor
+    total_seq_lens: int
+    token_start: int
+    token_end: int
+    num_reqs: int
+    skip_kv_gather: bool = False
+
+
+@dataclass
+class DeepseekV32IndexerPrefillMetadata:
+    chunks: list[DeepseekV32IndexerPrefillChunkMetadata]
+
+
+@dataclass
+class DeepSeekV32IndexerDecodeMetadata:
+    block_table: torch.Tensor
+    # seq_lens: per-token effective context lengths.
+    #   - flatten path / plain decode: 1D (batch_size,)
+    #   - native MTP path: 2D (B, next_n) where [b,j] = L_b - next_n + j + 1
+    # Both fp8_fp4_paged_mqa_logits and the topk kernels accept both shapes.
+    seq_lens: torch.Tensor
+    decode_lens: torch.Tensor
+    requires_padding: bool
+    # DeepGEMM's schedule (always), or b12x's (None when b12x runs unscheduled).
+    schedule_metadata: torch.Tensor | None
+    # Host bound on the decode rows' context length (indexer cache tokens):
+    # exact when the runner's CPU shadow of seq_lens is there, else the batch
+    # upper bound. Computed without reading CUDA tensors.
+    max_seq_len: int = 0
+    # b12x only: the live scorer window, a persistent 1-element CUDA buffer
+    # filled host-side in build() so a captured kernel reads a stable address.
+    active_width: torch.Tensor | None = None
+
+
+@dataclass
+class DeepseekV32IndexerMetadata:
+    # FIXME (zyongye)
+    # hacky way to access the data now, need to be in chunked meta
+    seq_lens: torch.Tensor
+    max_seq_len: int
+    slot_mapping: torch.Tensor
+
+    # New for MLA (compared to FlashAttention)
+    # For handling prefill decode split
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+
+    decode: DeepSeekV32IndexerDecodeMetadata | None = None
+    prefill: DeepseekV32IndexerPrefillMetadata | None = None
+    dcp_world_size: int = 1
+    dcp_rank: int = 0
+    cp_interleave_size: int = 1
+    # Score and select with b12x kernels (VLLM_USE_B12X_SPARSE_INDEXER); the
+    # builder decides, sparse_attn_indexer dispatches on it.
+    use_b12x: bool = False
+
+
+def get_max_prefill_buffer_size(vllm_config: VllmConfig):
+    max_model_len = vllm_config.model_config.max_model_len
+    # NOTE(Chen): 40 is a magic number for controlling the prefill buffer size.
+    # Each entry is 128 fp8 bytes and 4 scale bytes for a total of 132 bytes.
+    # The flashmla_sparse backend uses a workspace size of 5 * max_model_len.
+    # The memory usage of the workspace there is 576 * 2 bytes; so we size this as
+    # (576 * 2 // 132) * 5 = 40 to maximize this workspace size while still fitting
+    # within the flashmla_sparse workspace.
+    # For DeepSeek-V3.2, the max_model_len is 163840.
+    #   40 * 163840 * 132 = 865075200 bytes = 825 MB
+    return max_model_len * 40
+
+
+class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
+    reorder_batch_threshold: int = 1
+
+    @classmethod
+    def get_cudagraph_support(
+        cls,
+        vllm_config: VllmConfig,
+        kv_cache_spec: AttentionSpec,
+    ) -> AttentionCGSupport:
+        return AttentionCGSupport.UNIFORM_BATCH
+
+    # Columns the expanded (flattened-decode) block table keeps beyond
+    # cdiv(max_model_len, block_size): the runner's table can be wider than that
+    # (seen: 462 vs 461 columns). Wider still, the buffer grows (see
+    # _expanded_block_table_for).
+    BLOCK_TABLE_SLACK_COLUMNS = 8
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        scheduler_config = self.vllm_config.scheduler_config
+        parallel_config = self.vllm_config.parallel_config
+        self.storage_block_size = int(self.kv_cache_spec.storage_block_size)
+        self.dcp_world_size = parallel_config.decode_context_parallel_size
+        self.cp_kv_cache_interleave_size = parallel_config.cp_kv_cache_interleave_size
+        self.dcp_rank = 0
+        if self.dcp_world_size > 1:
+            if parallel_config.prefill_context_parallel_size > 1:
+                raise ValueError(
+                    "The DSA indexer supports decode context parallel (DCP) "
+                    "but not prefill context parallel (PCP): got "
+                    f"prefill_context_parallel_size="
+                    f"{parallel_config.prefill_context_parallel_size}."
+                )
+            from vllm.distributed.parallel_state import get_dcp_group
+
+            self.dcp_rank = get_dcp_group().rank_in_group
+        # NOTE(Chen):an estimated max size of flattened_kv. Need to double check.
+        self.max_prefill_buffer_size = get_max_prefill_buffer_size(self.vllm_config)
+        self.num_speculative_tokens = (
+            self.vllm_config.speculative_config.num_speculative_tokens
+            if self.vllm_config.speculative_config
+            else 0
+        )
+        self.use_fp4_indexer_cache = (
+            self.vllm_config.attention_config.use_fp4_indexer_cache
+        )
+
+        assert (
+            current_platform.is_device_capability_family(100)
+            or not self.use_fp4_indexer_cache
+        ), (
+            "use_fp4_indexer_cache requires Blackwell datacenter GPUs "
+            "(sm_10x, e.g. B200/GB200); sm_120 (consumer Blackwell) and "
+            "earlier architectures are not supported."
+        )
+        self.use_b12x = b12x_indexer.enabled()
+        if self.use_b12x:
+            b12x_indexer.require_supported(self.use_fp4_indexer_cache)
+
+        next_n = self.num_speculative_tokens + 1
+        self.reorder_batch_threshold += self.num_speculative_tokens
+        # NOTE: SM100 datacenter GPUs support any next_n natively via the
+        # multi-atom paged MQA logits kernels (FP8 and FP4 indexer
+        # caches). Outside the SM100 family the FP8
+        # paged MQA logits kernel only supports next_n in (1, 2)
+        # (deepgemm smxx_fp8_fp4_paged_mqa_logits.hpp:233), so flatten there.
+        # b12x scores one query row per page-table row: always flatten MTP.
+        self.use_flattening = (self.use_b12x and next_n > 1) or (
+            not current_platform.is_device_capability_family(100)
+            and next_n not in (1, 2)
+        )
+        logger.info_once(
+            "DSA indexer decode path: use_flattening=%s "
+            "(next_n=%d, use_fp4_indexer_cache=%s)",
+            self.use_flattening,
+            next_n,
+            self.use_fp4_indexer_cache,
+        )
+        logger.info_once(
+            "DSA sparse indexer kernels: %s", b12x_indexer.kernel_family()
+        )
+
+        sm_count = num_compute_units(self.device.index)
+        self.num_sms = sm_count
+
+        self.offsets_buffer = torch.arange(
+            next_n, device=self.device, dtype=torch.int32
+        )
+        self.decode_lens_buffer = torch.zeros(
+            (scheduler_config.max_num_batched_tokens,),
+            dtype=torch.int32,
+            device=self.device,
+        )
+        # Shared workspace for decode seq_lens. Native MTP views this as
+        # (B, max_decode_len) at runtime, keeping context_lens contiguous even
+        # when max_decode_len is smaller than next_n.
+        self.decode_seq_lens_buffer = torch.zeros(
+            (scheduler_config.max_num_batched_tokens,),
+            dtype=torch.int32,
+            device=self.device,
+        )
+        self.arange_buffer = torch.arange(
+            max(
+                scheduler_config.max_num_seqs * next_n,
+                scheduler_config.max_num_batched_tokens,
+            ),
+            dtype=torch.int32,
+            device=self.device,
+        )
+        max_num_blocks_per_req = cdiv(
+            self.vllm_config.model_config.max_model_len,
+            self.kv_cache_spec.block_size * get_total_cp_world_size(),
+        )
+        self.expanded_block_table_buffer = torch.zeros(
+            (
+                scheduler_config.max_num_batched_tokens,
+                max_num_blocks_per_req + self.BLOCK_TABLE_SLACK_COLUMNS,
+            ),
+            dtype=torch.int32,
+            device=self.device,
+        )
+
+        # See: DeepGMM/csrc/apis/attention.hpp
+        self.scheduler_metadata_buffer = torch.empty(
+            (self.num_sms + 1, 2), dtype=torch.int32, device=self.device
+        )
+        # b12x decode scorer window, filled host-side in build() (outside
+        # CUDA graph capture) and read by the captured kernel.
+        self.b12x_active_width_buffer = torch.zeros(
+            (1,), dtype=torch.int32, device=self.device
+        )
+
+        # KV compression. Default to 1 for no compression.
+        self.compress_ratio = 1
+        # Get compress_ratio for DeepseekV4 support
+        if isinstance(self.kv_cache_spec, MLAAttentionSpec):
+            self.compress_ratio = self.kv_cache_spec.compress_ratio
+
+        # Pre-allocate buffers for CUDA graph compatibility.
+        if self.compress_ratio > 1 or self.dcp_world_size > 1:
+            # Compressed and/or DCP rank-local slot mapping output buffer.
+            self.compressed_slot_mapping_buffer = torch.zeros(
+                (scheduler_config.max_num_batched_tokens,),
+                dtype=torch.int64,
+                device=self.device,
+            )
+        if self.compress_ratio > 1:
+            # Buffer for compressed seq_lens in decode path (DeepseekV4)
+            self.expanded_seq_lens_buffer = torch.zeros(
+                (scheduler_config.max_num_batched_tokens,),
+                dtype=torch.int32,
+                device=self.device,
+            )
+
+        # Compile the prefill-chunk metadata kernel now rather than on the first
+        # long prompt, where the JIT monitor reports it as a latency spike.
+        _prewarm_prefill_chunk_metadata_kernel(
+            device=self.device,
+            dcp_world_size=self.dcp_world_size,
+            dcp_rank=self.dcp_rank,
+            cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
+            compress_ratio=self.compress_ratio,
+        )
+
+    def _expanded_block_table_for(self, block_table: torch.Tensor) -> torch.Tensor:
+        """The expanded block table buffer, grown if the runner's table is wider."""
+        width = int(block_table.shape[1])
+        buffer = self.expanded_block_table_buffer
+        if width > buffer.shape[1]:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "DSA indexer: the runner's block table has "
+                    f"{width} columns, more than the {buffer.shape[1]} the "
+                    "expanded block table holds, during CUDA graph capture "
+                    "(a buffer cannot be reallocated there)."
+                )
+            logger.warning_once(
+                "DSA indexer: growing the expanded block table from %d to %d "
+                "columns to fit the runner's block table.",
+                buffer.shape[1],
+                width,
+            )
+            buffer = torch.zeros(
+                (buffer.shape[0], width), dtype=buffer.dtype, device=buffer.device
+            )
+            self.expanded_block_table_buffer = buffer
+        return buffer
+
+    def _prepare_decode_tensors(
+        self,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        decode_lens: torch.Tensor,
+        decode_lens_np: np.ndarray,
+        query_start_loc: torch.Tensor,
+        num_decodes: int,
+        num_decode_tokens: int,
+        use_native: bool,
+        next_n: int,
+        max_decode_len: int,
+        global_seq_lens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+        """Expand seq_lens/block_table/decode_lens for the decode kernels.
+
+        Flatten path (not use_native, max_decode_len > 1):
+          Each multi-token decode request is expanded into individual
+          single-token entries so the kernel always sees next_n=1.
+
+        Native path (use_native or max_decode_len == 1):
+          Plain decode or spec-decode with 2D per-token context lengths.
+
+        Under DCP, ``seq_lens`` are this rank's lengths and ``global_seq_lens``
+        the global ones: per-token lengths are expanded from the global lengths,
+        then made rank-local.
+
+        Returns (seq_lens, block_table, decode_lens, batch_size, requires_padding).
+        seq_lens is 1D (batch_size,) for flatten/plain, 2D (B, max_decode_len)
+        for native MTP.
+        """
+        min_decode_len = int(decode_lens_np.min())
+        if not use_native and max_decode_len > 1:
+            assert self.decode_seq_lens_buffer.dim() == 1
+            expanded_block_table = self._expanded_block_table_for(block_table)
+            if min_decode_len == max_decode_len:
+                # Uniform decode lengths.
+                num_decode_tokens = num_decodes * max_decode_len
+                _prepare_uniform_decode_kernel[(num_decode_tokens,)](
+                    seq_lens,
+                    self.decode_seq_lens_buffer,
+                    block_table,
+                    block_table.stride(0),
+                    block_table.shape[1],
+                    expanded_block_table,
+                    expanded_block_table.stride(0),
+                    self.decode_lens_buffer,
+                    max_decode_len,
+                    BLOCK_SIZE=1024,
+                )
+                if global_seq_lens is not None:
+                    expanded_global = (
+                        global_seq_lens.unsqueeze(1)
+                        - max_decode_len
+                        + 1
+                        + self.offsets_buffer[:max_decode_len]
+                    ).reshape(-1)
+                    self.decode_seq_lens_buffer[:num_decode_tokens] = self._dcp_local(
+                        expanded_global
+                    )
+                self.decode_seq_lens_buffer[num_decode_tokens:] = 0
+                seq_lens = self.decode_seq_lens_buffer[:num_decode_tokens]
+                block_table = expanded_block_table[:num_decode_tokens]
+                decode_lens = self.decode_lens_buffer[:num_decode_tokens]
+                return seq_lens, block_table, decode_lens, num_decode_tokens, False
+            else:
+                # Variable decode lengths.
+                # Assume 4 requests with seq_lens [10, 7, 12, 0] (the final req is
+                # padding) and decode_lens [3, 1, 4, 0] in the below example comments.
+                # The context lengths are therefore
+                # [10-3, 7-1, 12-4, 0-0] = [7, 6, 8, 0].
+
+                # 3 + 1 + 4 + 0 = 8
+                actual_expanded = int(decode_lens_np.sum())
+
+                # Fuse expanded_base and expanded_starts into a single
+                # repeat_interleave:
+                # seq_len_i = (context_start[b] - query_start_loc[b]) + arange[i] + 1
+                # where context_start[b] = seq_lens[b] - decode_lens[b].
+                # Example: offsets = [7-0, 6-3, 8-4, 0-8] = [7, 3, 4, -8]
+                # expanded_offsets  = [7, 7, 7, 3, 4, 4, 4, 4]
+                # result            = [8, 9, 10, 7, 9, 10, 11, 12]
+                lens_to_expand = (
+                    global_seq_lens if global_seq_lens is not None else seq_lens
+                )
+                expanded_offsets = torch.repeat_interleave(
+                    lens_to_expand - decode_lens - query_start_loc,
+                    decode_lens,
+                    output_size=actual_expanded,
+                )
+
+                # [8, 9, 10, 7, 9, 10, 11, 12, ...] where ... is unused buffer space
+                expanded_seq_lens = (
+                    expanded_offsets + self.arange_buffer[:actual_expanded] + 1
+                )
+                if global_seq_lens is not None:
+                    expanded_seq_lens = self._dcp_local(expanded_seq_lens)
+                self.decode_seq_lens_buffer[:actual_expanded] = expanded_seq_lens
+                self.decode_seq_lens_buffer[actual_expanded:] = 0
+                seq_lens = self.decode_seq_lens_buffer[:num_decode_tokens]
+
+                # Give each of the flattened entries the same block table row as the
+                # original request.
+                expanded_block_table[:actual_expanded, : block_table.shape[1]] = (
+                    torch.repeat_interleave(
+                        block_table, decode_lens, dim=0, output_size=actual_expanded
+                    )
+                )
+                if actual_expanded < num_decode_tokens:
+                    expanded_block_table[actual_expanded:num_decode_tokens, 0] = 0
+                block_table = expanded_block_table[:num_decode_tokens]
+
+                # All reqs now have decode_len=1
+                self.decode_lens_buffer[:num_decode_tokens] = 1
+                decode_lens = self.decode_lens_buffer[:num_decode_tokens]
+                return seq_lens, block_table, decode_lens, num_decode_tokens, False
+        else:
+            # Native path: plain decode (next_n==1) or spec decode
+            # with 2D per-token context lengths (next_n > 1).
+            #
+            # When decode_lens are not truly uniform (e.g. some requests have
+            # decode_len < next_n due to padding or short prefills), the simple
+            # reshape in sparse_attn_indexer won't work. Use pack_seq_triton
+            # (requires_padding) instead.
+            requires_padding = min_decode_len != max_decode_len
+            if use_native and next_n > 1:
+                assert self.decode_seq_lens_buffer.dim() == 1
+                # (B, max_decode_len): token j attends to
+                # L - max_decode_len + j + 1 KV tokens.
+                seq_lens_buffer = self.decode_seq_lens_buffer[
+                    : num_decodes * max_decode_len
+                ].view(num_decodes, max_decode_len)
+                lens_to_expand = (
+                    global_seq_lens if global_seq_lens is not None else seq_lens
+                )
+                expanded_seq_lens = (
+                    lens_to_expand.unsqueeze(1)
+                    - max_decode_len
+                    + 1
+                    + self.offsets_buffer[:max_decode_len]
+                )
+                if global_seq_lens is not None:
+                    expanded_seq_lens = self._dcp_local(expanded_seq_lens)
+                seq_lens_buffer[:] = expanded_seq_lens
+                seq_lens = seq_lens_buffer
+            return seq_lens, block_table, decode_lens, num_decodes, requires_padding
+
+    def _dcp_local(self, seq_lens):
+        return dcp_local_lens(
+            seq_lens,
+            self.dcp_world_size,
+            self.dcp_rank,
+            self.cp_kv_cache_interleave_size,
+        )
+
+    def _raise_split_mismatch(
+        self,
+        common_attn_metadata: CommonAttentionMetadata,
+        query_lens_np: np.ndarray,
+        counts: tuple[int, int, int, int],
+    ) -> None:
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = counts
+        # _seq_lens_cpu is the runner's host shadow; the seq_lens_cpu property
+        # would copy from the GPU, so it is not used for a diagnostic.
+        host_seq_lens = common_attn_metadata._seq_lens_cpu
+        seq_lens_head = (
+            host_seq_lens[:8].tolist() if host_seq_lens is not None else "not on host"
+        )
+        raise RuntimeError(
+            "DSA indexer: decode/prefill split does not cover the batch: "
+            f"{num_decodes} decodes + {num_prefills} prefills for "
+            f"{common_attn_metadata.num_reqs} requests, {num_decode_tokens} + "
+            f"{num_prefill_tokens} tokens for "
+            f"{common_attn_metadata.num_actual_tokens} "
+            f"(decode_threshold={self.reorder_batch_threshold}, "
+            f"require_uniform={not self.use_flattening}); first query lens "
+            f"{query_lens_np[:8].tolist()}, first seq lens {seq_lens_head}."
+        )
+
+    def _decode_max_seq_len(
+        self,
+        common_attn_metadata: CommonAttentionMetadata,
+        num_decodes: int,
+        use_dcp_local_kv: bool,
+    ) -> int:
+        """Longest decode context in indexer-cache tokens, without a GPU sync.
+
+        Exact from the runner's CPU shadow of seq_lens; when the runner has none
+        (async speculative decoding), the host upper bound, then the batch's
+        max_seq_len. Per-token lengths of flattened or MTP rows never exceed
+        their request's length, so the request maximum is the row maximum.
+        """
+        host_seq_lens = common_attn_metadata._seq_lens_cpu
+        if host_seq_lens is None:
+            host_seq_lens = common_attn_metadata.seq_lens_cpu_upper_bound
+        if host_seq_lens is not None and host_seq_lens.device.type == "cpu":
+            decode_lens = host_seq_lens[:num_decodes].numpy()
+            longest = int(decode_lens.max()) if decode_lens.size else 0
+        else:
+            longest = int(common_attn_metadata.max_seq_len)
+        longest //= self.compress_ratio
+        if use_dcp_local_kv:
+            # Rank-local length is monotonic in the global one.
+            longest = int(self._dcp_local(longest))
+        return longest
+
+    def _indexer_slot_mapping(
+        self,
+        num_tokens: int,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        dcp_world_size: int,
+        dcp_rank: int,
+    ) -> torch.Tensor:
+        """Slots the indexer K cache is written to: compressed and/or DCP-local.
+
+        -1 for tokens that are not stored (not a compression boundary, or held
+        by another DCP rank). Written into a persistent buffer (graph-stable).
+        """
+        out = self.compressed_slot_mapping_buffer
+        # Fill the whole buffer: padded rows must not scatter anywhere.
+        out.fill_(-1)
+        _indexer_slot_mapping_kernel[(block_table.shape[0],)](
+            out,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            block_table.stride(0),
+            self.storage_block_size,
+            COMPRESS_RATIO=self.compress_ratio,
+            DCP_WORLD_SIZE=dcp_world_size,
+            DCP_RANK=dcp_rank,
+            CP_KV_CACHE_INTERLEAVE_SIZE=self.cp_kv_cache_interleave_size,
+            PAD_ID=-1,
+            TRITON_BLOCK_SIZE=1024,
+        )
+        return out[:num_tokens]
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> DeepseekV32IndexerMetadata:
+        num_reqs = common_attn_metadata.num_reqs
+        num_tokens = common_attn_metadata.num_actual_tokens
+        query_start_loc = common_attn_metadata.query_start_loc
+        # Host-side batch shape as numpy views of the runner's CPU tensors:
+        # nothing below reads a CUDA tensor back (no sync per step).
+        query_start_loc_np = common_attn_metadata.query_start_loc_cpu.numpy()[
+            : num_reqs + 1
+        ]
+        query_lens_np = np.diff(query_start_loc_np)
+        seq_lens = common_attn_metadata.seq_lens
+        slot_mapping = common_attn_metadata.slot_mapping
+        block_table = common_attn_metadata.block_table_tensor
+        use_dcp_local_kv = (
+            self.dcp_world_size > 1
+            and common_attn_metadata.dcp_local_seq_lens is not None
+        )
+        dcp_world_size = self.dcp_world_size if use_dcp_local_kv else 1
+        dcp_rank = self.dcp_rank if use_dcp_local_kv else 0
+
+        split = split_decodes_and_prefills(
+            common_attn_metadata,
+            decode_threshold=self.reorder_batch_threshold,
+            require_uniform=not self.use_flattening,
+        )
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split
+        if (
+            num_decodes + num_prefills != num_reqs
+            or num_decode_tokens + num_prefill_tokens != num_tokens
+        ):
+            self._raise_split_mismatch(common_attn_metadata, query_lens_np, split)
+
+        indexer_slot_mapping = slot_mapping
+        compressed_seq_lens = seq_lens
+        if self.compress_ratio > 1 or use_dcp_local_kv:
+            indexer_slot_mapping = self._indexer_slot_mapping(
+                num_tokens,
+                query_start_loc,
+                seq_lens,
+                block_table,
+                dcp_world_size,
+                dcp_rank,
+            )
+        if self.compress_ratio > 1:
+            compressed_seq_lens = seq_lens // self.compress_ratio
+        if use_dcp_local_kv:
+            compressed_seq_lens = self._dcp_local(compressed_seq_lens)
+
+        prefill_metadata = None
+        if num_prefills > 0:
+            # This CPU value is an upper bound for async-spec extend rows.  It
+            # is safe for chunking/allocation because CUDA metadata below is
+            # built from exact device seq_lens and gather ignores the tail.
+            assert common_attn_metadata.seq_lens_cpu_upper_bound is not None
+            compressed_seq_lens_np = (
+                common_attn_metadata.seq_lens_cpu_upper_bound.numpy()[:num_reqs]
+            )
+            if self.compress_ratio > 1:
+                compressed_seq_lens_np = compressed_seq_lens_np // self.compress_ratio
+            if use_dcp_local_kv:
+                compressed_seq_lens_np = self._dcp_local(compressed_seq_lens_np)
+            prefill_query_lens_np = query_lens_np[num_decodes:]
+            max_logits_bytes = envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB * 1024 * 1024
+            if self.use_b12x:
+                chunk_specs = b12x_indexer.split_prefill_chunks_by_supertile(
+                    prefill_query_lens_np,
+                    request_offset=num_decodes,
+                    workspace_size=self.max_prefill_buffer_size,
+                    max_logits_bytes=max_logits_bytes,
+                    split_chunks=split_indexer_prefill_chunks,
+                )
+            else:
+                chunk_specs = split_indexer_prefill_chunks(
+                    compressed_seq_lens_np[num_decodes:],
+                    prefill_query_lens_np,
+                    self.max_prefill_buffer_size,
+                    max_logits_bytes,
+                    request_offset=num_decodes,
+                )
+
+            chunks = []
+            for req_slice, query_slice in chunk_specs:
+                metadata = build_prefill_chunk_metadata(
+                    req_slice.start,
+                    req_slice.stop,
+                    query_start_loc,
+                    query_start_loc_np,
+                    seq_lens,
+                    compressed_seq_lens,
+                    compressed_seq_lens_np,
+                    block_table,
+                    self.compress_ratio,
+                    query_slice=query_slice,
+                    skip_kv_gather=query_slice.start > 0,
+                    dcp_world_size=dcp_world_size,
+                    dcp_rank=dcp_rank,
+                    cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
+                )
+                # Skip when total_seq_lens is 0 (i.e., no compressed token).
+                if metadata is not None:
+                    chunks.append(metadata)
+            prefill_metadata = DeepseekV32IndexerPrefillMetadata(chunks)
+
+        decode_metadata = None
+        if num_decodes > 0:
+            decode_metadata = self._build_decode(
+                common_attn_metadata,
+                num_decodes,
+                num_decode_tokens,
+                query_lens_np[:num_decodes],
+                use_dcp_local_kv,
+            )
+
+        return DeepseekV32IndexerMetadata(
+            seq_lens=common_attn_metadata.seq_lens,
+            max_seq_len=common_attn_metadata.max_seq_len,
+            slot_mapping=indexer_slot_mapping,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills,
+            num_prefill_tokens=num_prefill_tokens,
+            prefill=prefill_metadata,
+            decode=decode_metadata,
+            dcp_world_size=dcp_world_size,
+            dcp_rank=dcp_rank,
+            cp_interleave_size=self.cp_kv_cache_interleave_size,
+            use_b12x=self.use_b12x,
+        )
+
+    def _build_decode(
+        self,
+        common_attn_metadata: CommonAttentionMetadata,
+        num_decodes: int,
+        num_decode_tokens: int,
+        decode_lens_np: np.ndarray,
+        use_dcp_local_kv: bool,
+    ) -> DeepSeekV32IndexerDecodeMetadata:
+        torch.diff(
+            common_attn_metadata.query_start_loc[: num_decodes + 1],
+            out=self.decode_lens_buffer[:num_decodes],
+        )
+        decode_lens = self.decode_lens_buffer[:num_decodes]
+        global_seq_lens = common_attn_metadata.seq_lens[:num_decodes]
+        # Under DCP (GLM: no compression) the runner hands rank-local lengths;
+        # per-token lengths are still expanded from the global ones.
+        rank_local = use_dcp_local_kv and self.compress_ratio == 1
+        seq_lens = (
+            common_attn_metadata.dcp_local_seq_lens[:num_decodes]
+            if rank_local
+            else global_seq_lens
+        )
+        block_table = common_attn_metadata.block_table_tensor[:num_decodes, ...]
+
+        max_decode_len = int(decode_lens_np.max())
+        next_n = 1 + self.num_speculative_tokens
+        use_native = not self.use_flattening and max_decode_len <= next_n
+
+        seq_lens, block_table, decode_lens, batch_size, requires_padding = (
+            self._prepare_decode_tensors(
+                seq_lens=seq_lens,
+                block_table=block_table,
+                decode_lens=decode_lens,
+                decode_lens_np=decode_lens_np,
+                query_start_loc=common_attn_metadata.query_start_loc[:num_decodes],
+                num_decodes=num_decodes,
+                num_decode_tokens=num_decode_tokens,
+                use_native=use_native,
+                next_n=next_n,
+                max_decode_len=max_decode_len,
+                global_seq_lens=global_seq_lens if rank_local else None,
+            )
+        )
+
+        # For DeepseekV4 (compress_ratio > 1), the indexer KV cache stores
+        # compressed tokens. Convert uncompressed seq_lens to compressed.
+        if self.compress_ratio > 1:
+            # True iff seq_lens aliases decode_seq_lens_buffer (flatten or
+            # native wrote it); False iff it aliases common_attn_metadata.
+            seq_lens_is_local_view = (use_native and next_n > 1) or (
+                not use_native and max_decode_len > 1
+            )
+            if seq_lens_is_local_view:
+                seq_lens //= self.compress_ratio
+                if use_dcp_local_kv:
+                    seq_lens.copy_(self._dcp_local(seq_lens))
+            else:
+                # Copy to avoid mutating shared state; keeps CG address stable.
+                compressed = seq_lens // self.compress_ratio
+                if use_dcp_local_kv:
+                    compressed = self._dcp_local(compressed)
+                self.expanded_seq_lens_buffer[:num_decodes] = compressed
+                self.expanded_seq_lens_buffer[num_decodes:num_decode_tokens] = 0
+                seq_lens = self.expanded_seq_lens_buffer[:num_decode_tokens]
+
+        # Non-MTP: deep_gemm paged MQA logits requires 2D context_lens
+        # (csrc/apis/attention.hpp). Unsqueeze to (B, 1) so downstream
+        # kernels see the same (B, next_n) layout as the MTP path.
+        if seq_lens.dim() == 1:
+            seq_lens = seq_lens.unsqueeze(-1)
+
+        max_seq_len = self._decode_max_seq_len(
+            common_attn_metadata, num_decodes, use_dcp_local_kv
+        )
+        active_width = None
+        if self.use_b12x:
+            self.b12x_active_width_buffer.fill_(max_seq_len)
+            active_width = self.b12x_active_width_buffer
+            schedule_metadata = b12x_indexer.build_schedule_metadata(
+                seq_lens,
+                block_table,
+                self.storage_block_size,
+                self.num_sms,
+                out=self.scheduler_metadata_buffer,
+            )
+        else:
+            # DeepGEMM is required for the paged MQA logits on CUDA devices
+            if current_platform.is_cuda() and has_deep_gemm():
+                self.scheduler_metadata_buffer[:] = get_paged_mqa_logits_metadata(
+                    seq_lens,
+                    self.storage_block_size,
+                    self.num_sms,
+                )
+            schedule_metadata = self.scheduler_metadata_buffer
+
+        return DeepSeekV32IndexerDecodeMetadata(
+            block_table=block_table,
+            seq_lens=seq_lens,
+            decode_lens=decode_lens,
+            requires_padding=requires_padding,
+            schedule_metadata=schedule_metadata,
+            max_seq_len=max_seq_len,
+            active_width=active_width,
+        )
+
+
+def build_prefill_chunk_metadata(
+    start_idx: int,
+    end_idx: int,
+    query_start_loc: torch.Tensor,
+    query_start_loc_cpu: np.ndarray | torch.Tensor,
+    uncompressed_seq_lens: torch.Tensor,
+    compressed_seq_lens: torch.Tensor,
+    compressed_seq_lens_cpu: np.ndarray | torch.Tensor,
+    block_table: torch.Tensor,
+    compress_ratio: int,
+    query_slice: slice | None = None,
+    skip_kv_gather: bool = False,
+    dcp_world_size: int = 1,
+    dcp_rank: int = 0,
+    cp_kv_cache_interleave_size: int = 1,
+) -> DeepseekV32IndexerPrefillChunkMetadata | None:
+    """Device metadata for one prefill chunk; host lengths come as numpy/CPU arrays.
+
+    Under DCP, ``compressed_seq_lens`` (device and host) are this rank's local
+    lengths; the kernel makes each query row's key range rank-local too.
+    """
+    query_start_loc_np = _as_host_array(query_start_loc_cpu)
+    compressed_seq_lens_np = _as_host_array(compressed_seq_lens_cpu)
+    total_seq_lens = int(compressed_seq_lens_np[start_idx:end_idx].sum())
+    if total_seq_lens == 0:
+        return None
+
+    num_reqs = end_idx - start_idx
+    device = block_table.device
+    token_to_seq = torch.empty(total_seq_lens, dtype=torch.int32, device=device)
+
+    cu_seq_lens = torch.empty(num_reqs + 1, dtype=torch.int32, device=device)
+    # Assigning to slice avoids cpu sync.
+    cu_seq_lens[:1] = 0
+    torch.cumsum(compressed_seq_lens[start_idx:end_idx], dim=0, out=cu_seq_lens[1:])
+
+    query_start_loc = (
+        query_start_loc[start_idx : end_idx + 1] - query_start_loc[start_idx]
+    )
+
+    token_start = int(query_start_loc_np[start_idx])
+    total_query_len = int(query_start_loc_np[end_idx]) - token_start
+    if query_slice is not None:
+        qs_start = query_slice.start
+        qs_stop = query_slice.stop
+    else:
+        qs_start = 0
+        qs_stop = total_query_len
+    output_query_len = qs_stop - qs_start
+
+    cu_seq_len_ks = torch.empty(output_query_len, dtype=torch.int32, device=device)
+    cu_seq_len_ke = torch.empty(output_query_len, dtype=torch.int32, device=device)
+
+    _build_prefill_chunk_metadata_kernel[(num_reqs,)](
+        query_start_loc,
+        uncompressed_seq_lens[start_idx:end_idx],
+        cu_seq_lens,
+        token_to_seq,
+        cu_seq_len_ks,
+        cu_seq_len_ke,
+        qs_start,
+        qs_stop,
+        DCP_WORLD_SIZE=dcp_world_size,
+        DCP_RANK=dcp_rank,
+        CP_KV_CACHE_INTERLEAVE_SIZE=cp_kv_cache_interleave_size,
+        BLOCK_SIZE=1024,
+        COMPRESS_RATIO=compress_ratio,
+    )
+
+    if query_slice is not None:
+        token_end = token_start + qs_stop
+        token_start = token_start + qs_start
+        skip_kv_gather = skip_kv_gather or qs_start > 0
+    else:
+        token_end = int(query_start_loc_np[end_idx])
+
+    return DeepseekV32IndexerPrefillChunkMetadata(
+        cu_seqlen_ks=cu_seq_len_ks,
+        cu_seqlen_ke=cu_seq_len_ke,
+        cu_seq_lens=cu_seq_lens,
+        token_to_seq=token_to_seq,
+        total_seq_lens=total_seq_lens,
+        block_table=block_table[start_idx:end_idx],
+        token_start=token_start,
+        token_end=token_end,
+        num_reqs=num_reqs,
+        skip_kv_gather=skip_kv_gather,
+    )
+
+
+# The seq-lens pointer is a slice at any request offset and the query slice
+# bounds vary per chunk: not specializing on their alignment/values keeps one
+# compiled variant, the one the builder prewarms.
+@triton.jit(
+    do_not_specialize=[
+        "uncompressed_seq_lens_ptr",
+        "query_slice_start",
+        "query_slice_stop",
+    ]
+)
+def _build_prefill_chunk_metadata_kernel(
+    # Inputs
+    query_start_loc_ptr,
+    uncompressed_seq_lens_ptr,
+    cu_compressed_seq_lens_ptr,
+    # Outputs
+    token_to_seq_ptr,
+    cu_compressed_seq_len_ks_ptr,
+    cu_compressed_seq_len_ke_ptr,
+    query_slice_start,
+    query_slice_stop,
+    DCP_WORLD_SIZE: tl.constexpr,
+    DCP_RANK: tl.constexpr,
+    CP_KV_CACHE_INTERLEAVE_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    COMPRESS_RATIO: tl.constexpr,
+):
+    batch_idx = tl.program_id(0)
+
+    query_start = tl.load(query_start_loc_ptr + batch_idx)
+    query_end = tl.load(query_start_loc_ptr + batch_idx + 1)
+    query_len = query_end - query_start
+
+    seq_start = tl.load(cu_compressed_seq_lens_ptr + batch_idx)
+    seq_end = tl.load(cu_compressed_seq_lens_ptr + batch_idx + 1)
+    compressed_seq_len = seq_end - seq_start
+
+    uncompressed_seq_len = tl.load(uncompressed_seq_lens_ptr + batch_idx)
+    start_pos = uncompressed_seq_len - query_len
+
+    for i in range(0, query_len, BLOCK_SIZE):
+        offset = i + tl.arange(0, BLOCK_SIZE)
+        abs_pos = query_start + offset
+        mask = (
+            (offset < query_len)
+            & (abs_pos >= query_slice_start)
+            & (abs_pos < query_slice_stop)
+        )
+        out_pos = abs_pos - query_slice_start
+
+        # Compute cu_seq_len_ks
+        tl.store(cu_compressed_seq_len_ks_ptr + out_pos, seq_start, mask=mask)
+
+        # Compute cu_seq_len_ke
+        seq_len_per_token = (start_pos + 1 + offset) // COMPRESS_RATIO
+        if DCP_WORLD_SIZE > 1:
+            # Keys of this token held by this rank (dcp_local_lens).
+            base = (
+                seq_len_per_token
+                // CP_KV_CACHE_INTERLEAVE_SIZE
+                // DCP_WORLD_SIZE
+                * CP_KV_CACHE_INTERLEAVE_SIZE
+            )
+            remainder = seq_len_per_token - base * DCP_WORLD_SIZE
+            remainder = tl.minimum(
+                tl.maximum(remainder - DCP_RANK * CP_KV_CACHE_INTERLEAVE_SIZE, 0),
+                CP_KV_CACHE_INTERLEAVE_SIZE,
+            )
+            seq_len_per_token = base + remainder
+        tl.store(
+            cu_compressed_seq_len_ke_ptr + out_pos,
+            seq_start + seq_len_per_token,
+            mask=mask,
+        )
+
+    # Compute token_to_seq
+    for i in range(0, compressed_seq_len, BLOCK_SIZE):
+        offset = i + tl.arange(0, BLOCK_SIZE)
+        mask = offset < compressed_seq_len
+        tl.store(token_to_seq_ptr + seq_start + offset, batch_idx, mask=mask)
+
+
+def _prewarm_prefill_chunk_metadata_kernel(
+    *,
+    device: torch.device,
+    dcp_world_size: int,
+    dcp_rank: int,
+    cp_kv_cache_interleave_size: int,
+    compress_ratio: int,
+) -> None:
+    """Compile the prefill-chunk kernel for this builder's constexprs now."""
+    if not current_platform.is_cuda():
+        return
+    query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    seq_lens = torch.ones((1,), dtype=torch.int32, device=device)
+    cu_seq_lens = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    # Separate allocations, aligned like the real call's (Triton specializes
+    # pointer arguments on 16-byte alignment).
+    token_to_seq, cu_seq_len_ks, cu_seq_len_ke = (
+        torch.empty((1,), dtype=torch.int32, device=device) for _ in range(3)
+    )
+    _build_prefill_chunk_metadata_kernel[(1,)](
+        query_start_loc,
+        seq_lens,
+        cu_seq_lens,
+        token_to_seq,
+        cu_seq_len_ks,
+        cu_seq_len_ke,
+        0,
+        1,
+        DCP_WORLD_SIZE=dcp_world_size,
+        DCP_RANK=dcp_rank,
+        CP_KV_CACHE_INTERLEAVE_SIZE=cp_kv_cache_interleave_size,
+        BLOCK_SIZE=1024,
+        COMPRESS_RATIO=compress_ratio,
+    )
+
+
+@triton.jit
+def _indexer_slot_mapping_kernel(
+    # [num_tokens]
+    slot_mapping_ptr,
+    # [num_reqs + 1]
+    query_start_loc_ptr,
+    # [num_reqs]
+    seq_lens_ptr,
+    # [num_reqs, max_num_blocks]
+    block_table_ptr,
+    block_table_stride,
+    block_size,
+    COMPRESS_RATIO: tl.constexpr,
+    DCP_WORLD_SIZE: tl.constexpr,
+    DCP_RANK: tl.constexpr,
+    CP_KV_CACHE_INTERLEAVE_SIZE: tl.constexpr,
+    PAD_ID: tl.constexpr,
+    TRITON_BLOCK_SIZE: tl.constexpr,
+):
+    # vLLM's compressed slot mapping (compressor_utils) extended with DCP's
+    # layout (block_table.py): a block-table entry covers a virtual block of
+    # block_size * DCP_WORLD_SIZE positions, dealt to ranks in runs of
+    # CP_KV_CACHE_INTERLEAVE_SIZE; each rank packs its own into its block.
+    batch_idx = tl.program_id(0)
+
+    query_start = tl.load(query_start_loc_ptr + batch_idx)
+    query_end = tl.load(query_start_loc_ptr + batch_idx + 1)
+    query_len = query_end - query_start
+
+    seq_len = tl.load(seq_lens_ptr + batch_idx)
+    start_pos = seq_len - query_len
+    virtual_block_size = block_size * DCP_WORLD_SIZE
+
+    for i in range(0, query_len, TRITON_BLOCK_SIZE):
+        offset = i + tl.arange(0, TRITON_BLOCK_SIZE)
+        mask = offset < query_len
+
+        pos = start_pos + offset
+        is_stored = (pos + 1) % COMPRESS_RATIO == 0
+        pos_after_compress = pos // COMPRESS_RATIO
+
+        block_ids = pos_after_compress // virtual_block_size
+        virtual_offsets = pos_after_compress - block_ids * virtual_block_size
+        if DCP_WORLD_SIZE > 1:
+            is_stored = is_stored & (
+                (virtual_offsets // CP_KV_CACHE_INTERLEAVE_SIZE) % DCP_WORLD_SIZE
+                == DCP_RANK
+            )
+        local_offsets = (
+            virtual_offsets // (DCP_WORLD_SIZE * CP_KV_CACHE_INTERLEAVE_SIZE)
+        ) * CP_KV_CACHE_INTERLEAVE_SIZE + virtual_offsets % CP_KV_CACHE_INTERLEAVE_SIZE
+        block_numbers = tl.load(
+            block_table_ptr + batch_idx * block_table_stride + block_ids,
+            mask=mask & is_stored,
+        )
+        slot_ids = block_numbers.to(tl.int64) * block_size + local_offsets
+
+        slot_ids = tl.where(is_stored, slot_ids, PAD_ID)
+        tl.store(slot_mapping_ptr + query_start + offset, slot_ids, mask=mask)
