@@ -210,29 +210,32 @@ def stale_bytecode(source: Path) -> list[Path]:
 def _drift_problems(site: Path, manifest: Manifest, installed_version: str) -> list[str]:
     problems = []
     made_for = f"the overlay was made for vLLM {manifest.vllm_version}"
+    rebuild = (f"Nothing was changed. Rebuild the overlay against the installed version or install "
+               f"vLLM {manifest.vllm_version}.")
     for entry in manifest.files:
         target = site / entry.path
         if entry.new:
             if target.exists() or target.is_symlink():
                 problems.append(f"{entry.path}: {made_for} where this file is new, but it exists in the target "
-                                f"(installed vLLM {installed_version}); a new file never overwrites one")
+                                f"(installed vLLM {installed_version}); a new file never overwrites one. {rebuild}")
             elif not target.parent.is_dir():
-                problems.append(f"{entry.path}: its directory {target.parent} is missing in the installed vLLM {installed_version}")
+                problems.append(f"{entry.path}: {made_for}, but its directory is missing in the installed "
+                                f"vLLM {installed_version}. {rebuild}")
             continue
         if not target.is_file():
             problems.append(f"{entry.path}: {made_for} (upstream sha256 {_short(entry.upstream_sha256)}), "
-                            f"but the installed vLLM {installed_version} has no such file")
+                            f"but the installed vLLM {installed_version} has no such file. {rebuild}")
             continue
         found = wheels.sha256_file(target)
         if found == entry.overlay_sha256 and found != entry.upstream_sha256:
-            problems.append(f"{entry.path}: already carries the overlay (sha256 {_short(found)}); "
-                            "apply runs on a clean vLLM install")
+            problems.append(f"{entry.path}: already carries the overlay (sha256 {_short(found)}). Nothing was "
+                            f"changed. apply runs once, on a clean install of vLLM {manifest.vllm_version}.")
         elif found != entry.upstream_sha256:
             problems.append(f"{entry.path}: {made_for} (upstream sha256 {_short(entry.upstream_sha256)}), but the "
-                            f"installed file has sha256 {_short(found)} and the installed vLLM is {installed_version}")
+                            f"installed file has sha256 {_short(found)} and the installed vLLM is {installed_version}. {rebuild}")
     if not problems and installed_version != manifest.vllm_version:
         problems.append(f"{made_for}, but the installed vLLM is {installed_version} (every replaced file "
-                        "still matches, the rest of vLLM may not)")
+                        f"still matches, the rest of vLLM may not). {rebuild}")
     return problems
 
 
@@ -245,9 +248,7 @@ def apply(site: Path, recipe_id: str = DEFAULT_RECIPE, manifest_path: Path = MAN
     installed_version = installed_vllm_version(site)
     problems = _drift_problems(site, manifest, installed_version)
     if problems:
-        fix = (f"Nothing was changed. Rebuild the overlay against the installed version or install "
-               f"vLLM {manifest.vllm_version}.")
-        raise OverlayError(DRIFT, "\n".join(f"{p}. {fix}" for p in problems))
+        raise OverlayError(DRIFT, "\n".join(problems))
     receipt_path = receipt_path or site / RECEIPT_NAME
     _check_writable(site, manifest, receipt_path)
     transaction = _Transaction({})
@@ -348,6 +349,14 @@ def _check_receipt(receipt: dict, receipt_path: Path, manifest: Manifest, manife
 def verify(site: Path, manifest_path: Path = MANIFEST_PATH, receipt_path: Path | None = None,
            python: str = sys.executable) -> list[str]:
     """Re-hash, then import in a fresh interpreter; raise OverlayError(MISMATCH) on any difference."""
+    manifest, lines = verify_hashes(site, manifest_path, receipt_path)
+    return lines + check_imports(site, manifest.files, python)
+
+
+def verify_hashes(site: Path, manifest_path: Path = MANIFEST_PATH,
+                  receipt_path: Path | None = None) -> tuple[Manifest, list[str]]:
+    """The receipt is the one apply wrote for this manifest, and every installed file still
+    hashes to it."""
     try:
         manifest, raw = load_manifest(manifest_path)
     except ManifestError as exc:
@@ -364,8 +373,7 @@ def verify(site: Path, manifest_path: Path = MANIFEST_PATH, receipt_path: Path |
         if found != item["installed_sha256"]:
             raise OverlayError(MISMATCH, f"{item['path']}: installed file has sha256 {_short(found)}, the receipt "
                                          f"records {_short(item['installed_sha256'])} (changed after apply)")
-    lines = [f"{len(receipt['files'])} files match the receipt {receipt_path}"]
-    return lines + check_imports(site, manifest.files, python)
+    return manifest, [f"{len(receipt['files'])} files match the receipt {receipt_path}"]
 
 
 _IMPORT_PROBE = """
