@@ -1,0 +1,130 @@
+"""Command line of the smoke test (scripts/smoke.py is a thin face over `main`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dsa_image.recipe import DEFAULT_RECIPE, RecipeError, load_recipe
+from dsa_image.smoke.report import LOG_NAME, REPORT_NAME, Report
+from dsa_image.smoke.run import DEFAULT_HEALTH_TIMEOUT_S, StartError, print_summary, run_smoke, resolve_target
+from dsa_image.tiny_model import TinyModelError, model_dir_differences, write_model
+
+USAGE = """\
+smoke.py --runtime docker --image IMAGE [--target T] [--out DIR] [-- SERVER_ARG...]
+smoke.py --runtime local --python EXE [--site-packages DIR] [--target T] [--out DIR] [-- SERVER_ARG...]"""
+
+EPILOG = f"""\
+Arguments after `--` go to the server (`vllm serve`), e.g. -- --enforce-eager --gpu-memory-utilization 0.15
+
+Writes DIR/{REPORT_NAME} (every check with its reason, GPU, image, versions, timings) and
+DIR/{LOG_NAME} (the server's whole log). The container or process group is removed / killed
+on success, failure, timeout, Ctrl-C and SIGTERM.
+
+exit codes:
+  0  every check passed
+  1  a check failed (the report says which and why)
+  2  bad usage or input (unknown target, no Docker engine, no such image or python)
+  130 interrupted (the report is still written)"""
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    server_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, server_args = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(prog="smoke.py", usage=USAGE, epilog=EPILOG,
+                                     description="Serve a GLM-5 model and prove the overlay is what runs.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runtime", choices=("docker", "local"), required=True)
+    parser.add_argument("--image", help="docker: the image to run (pulled when not present)")
+    parser.add_argument("--python", help="local: the Python of the environment vLLM is installed in")
+    parser.add_argument("--site-packages", help="local: the site dir holding vLLM + overlay (put first on "
+                                                "PYTHONPATH; default: the python's own purelib)")
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE)
+    parser.add_argument("--target", help="recipe target (sm120, sm100, sm90); default: the image's "
+                                         "dsa-image.target label, else the target built for the GPU")
+    parser.add_argument("--model", help="model to serve; default: docker: the image's built-in tiny GLM-5, "
+                                        "local: the tiny GLM-5 written into DIR/model")
+    parser.add_argument("--load-format", help="local: default the recipe's (dummy) for the tiny model, auto otherwise")
+    parser.add_argument("--port", type=int, help="local: default the recipe's serving port")
+    parser.add_argument("--network", choices=("host", "bridge"), default="host",
+                        help="docker: host (default) or a published port on 127.0.0.1")
+    parser.add_argument("--no-gpus", action="store_true",
+                        help="docker: start without a GPU request (CI: shows how the image fails without one)")
+    parser.add_argument("--health-timeout", type=float, default=DEFAULT_HEALTH_TIMEOUT_S, metavar="SECONDS")
+    parser.add_argument("--request-timeout", type=float, default=300.0, metavar="SECONDS")
+    parser.add_argument("--out", type=Path, default=Path("smoke-report"), help="report directory (default ./smoke-report)")
+    parser.add_argument("--quiet", action="store_true", help="do not echo the server log to stderr")
+    args = parser.parse_args(argv)
+    if args.runtime == "docker" and not args.image:
+        parser.error("--runtime docker needs --image")
+    if args.runtime == "local" and not args.python:
+        parser.error("--runtime local needs --python")
+    return args, server_args
+
+
+def tiny_model_dir(out: Path) -> Path:
+    """The tiny GLM-5 under DIR/model: written once, reused only when byte-identical."""
+    model = out / "model" / "tiny-glm5"
+    if model.exists():
+        differences = model_dir_differences(model)
+        if differences:
+            raise TinyModelError(f"{model} is not the generator's output ({'; '.join(differences)}): remove it")
+        return model
+    write_model(model)
+    return model
+
+
+def build_local(args, server_args, recipe, report: Report, echo):
+    from dsa_image.smoke.local_runtime import LocalServer, serve_command, server_env
+
+    # Without --target the GPU decides (sm_90 -> sm90 ...): its env and KV cache dtype shape the server.
+    target = resolve_target(recipe, args.target, {} if args.target else _host_gpu())
+    model = args.model or str(tiny_model_dir(args.out.resolve()))
+    load_format = args.load_format or (recipe.serving["default_load_format"] if not args.model else "auto")
+    port = args.port or int(recipe.serving["port"])
+    command = serve_command(args.python, model, recipe, target, port, load_format, server_args)
+    report.model, report.server_command, report.target = model, command, target.id
+    return LocalServer(command, args.python, args.site_packages, server_env(target, args.site_packages), port,
+                       args.out / LOG_NAME, echo), target.id
+
+
+def build_docker(args, server_args, recipe, report: Report, echo):
+    from dsa_image.smoke.docker_runtime import DockerServer
+
+    image_args = ([args.model] if args.model else []) + server_args
+    server = DockerServer(args.image, image_args, int(recipe.serving["port"]), args.network, not args.no_gpus,
+                          args.out / LOG_NAME, echo)
+    target = args.target or server.image_target()
+    server.port = server.image_port(server.port)
+    server.base_url = f"http://127.0.0.1:{server.port}"
+    report.model = args.model or recipe.serving["default_model"]
+    report.server_command = ["docker", "run", args.image, *image_args]
+    return server, target
+
+
+def _host_gpu() -> dict:
+    from dsa_image.smoke.gpu import query_gpus
+
+    return query_gpus()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, server_args = parse_args(sys.argv[1:] if argv is None else argv)
+    echo = None if args.quiet else sys.stderr
+    try:
+        recipe = load_recipe(args.recipe)
+        report = Report(runtime=args.runtime, served_model_name=recipe.serving["served_model_name"])
+        build = build_docker if args.runtime == "docker" else build_local
+        args.out.mkdir(parents=True, exist_ok=True)
+        server, target = build(args, server_args, recipe, report, echo)
+    except (RecipeError, TinyModelError, StartError, OSError) as e:
+        print(f"smoke: {e}", file=sys.stderr)
+        return 2
+    report = run_smoke(server, report, recipe, target, args.out, args.health_timeout, args.request_timeout)
+    print_summary(report, args.out / REPORT_NAME)
+    if report.interrupted:
+        return 130
+    return 0 if report.passed else 1

@@ -1,0 +1,214 @@
+"""One smoke run, whatever the runtime: start the server, wait for /health while following
+its log, run the checks, stop the server (always: success, failure, timeout, Ctrl-C, SIGTERM),
+write the report and the log."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Callable, Iterable, Protocol
+
+from dsa_image.recipe import Recipe, RecipeError, Target
+from dsa_image.smoke import checks as C
+from dsa_image.smoke.expect import capability_problem, expected_for, target_for_capability
+from dsa_image.smoke.gpu import capability_of
+from dsa_image.smoke.http import Client
+from dsa_image.smoke.report import Report, log_tail, summarize_receipt, write_report
+
+DEFAULT_HEALTH_TIMEOUT_S = 600.0
+POLL_S = 1.0
+
+
+class StartError(Exception):
+    """The server could not be started at all (e.g. Docker refused the GPU request)."""
+
+
+class Server(Protocol):
+    """What a runtime provides. `stop` must be safe to call at any point, more than once."""
+
+    base_url: str
+    verify_command: str
+
+    def start(self) -> None: ...
+    def exit_code(self) -> int | None: ...  # None while running
+    def log_text(self) -> str: ...
+    def run_verify(self) -> tuple[int, str]: ...
+    def receipt(self) -> dict | None: ...
+    def gpu_info(self) -> dict: ...
+    def describe(self, report: Report) -> None: ...  # fills image / python / versions
+    def stop(self) -> None: ...
+
+
+class Interrupted(BaseException):
+    """SIGTERM / SIGHUP: handled like Ctrl-C, so `finally` blocks clean up."""
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
+class LogFollower:
+    """Copies a server's output into its log file as it comes, echoing lines to `echo`."""
+
+    def __init__(self, chunks: Iterable[bytes], path: Path, echo: IO[str] | None, prefix: str = "server| "):
+        self.path = path
+        self._chunks = chunks
+        self._echo = echo
+        self._prefix = prefix
+        self._thread = threading.Thread(target=self._run, name="smoke-log", daemon=True)
+
+    def start(self) -> "LogFollower":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        pending = b""
+        try:
+            with open(self.path, "ab") as f:
+                for chunk in self._chunks:
+                    f.write(chunk)
+                    f.flush()
+                    if self._echo is not None:
+                        pending += chunk
+                        *lines, pending = pending.split(b"\n")
+                        for line in lines:
+                            self._echo.write(self._prefix + line.decode(errors="replace") + "\n")
+                        self._echo.flush()
+        except Exception as e:  # the stream ends with the server; that is no error of the run
+            if self._echo is not None:
+                self._echo.write(f"smoke: log stream ended: {e}\n")
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        self._thread.join(timeout_s)
+
+
+def wait_healthy(server: Server, client: Client, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> C.Check:
+    """Poll /health until 200, the server exits, or `timeout_s` passes."""
+    start = clock()
+    while True:
+        if client.status("/health") == 200:
+            seconds = clock() - start
+            return C.Check("server_healthy", True, f"/health answered 200 after {seconds:.1f} s", seconds,
+                           {"time_to_healthy_s": round(seconds, 1)})
+        code = server.exit_code()
+        if code is not None:
+            return C.Check("server_healthy", False,
+                           f"the server exited with code {code} after {clock() - start:.1f} s, before /health "
+                           f"answered; log tail:\n{log_tail(server.log_text(), 3000)}", clock() - start,
+                           {"exit_code": code})
+        if clock() - start > timeout_s:
+            return C.Check("server_healthy", False,
+                           f"/health did not answer 200 within {timeout_s:.0f} s (raise --health-timeout for big "
+                           f"models); log tail:\n{log_tail(server.log_text(), 3000)}", clock() - start)
+        sleep(POLL_S)
+
+
+def resolve_target(recipe: Recipe, target_id: str | None, gpu: dict) -> Target:
+    """--target when given, else the recipe target built for the GPU's compute capability."""
+    if target_id:
+        return recipe.target(target_id)
+    capability = capability_of(gpu)
+    if capability is None:
+        raise RecipeError(f"no --target given and the GPU's compute capability is unknown "
+                          f"({gpu.get('error') or 'GPUs of different capabilities'}); pass --target")
+    return target_for_capability(recipe, capability)
+
+
+def run_smoke(server: Server, report: Report, recipe: Recipe, target_id: str | None, out_dir: Path,
+              health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S, request_timeout_s: float = 300.0) -> Report:
+    """Run every check against `server`, always stop it, and write the report into `out_dir`."""
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
+    run_start = time.monotonic()
+    try:
+        _run_checks(server, report, recipe, target_id, health_timeout_s, request_timeout_s)
+    except (KeyboardInterrupt, Interrupted) as e:
+        report.interrupted = True
+        report.errors.append(f"interrupted ({type(e).__name__} {e}); the server was stopped")
+    finally:
+        log = _stop(server, report)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        report.timings["total_s"] = round(time.monotonic() - run_start, 1)
+        _fill_not_run(report)
+        write_report(out_dir, report, log)
+    return report
+
+
+def _stop(server: Server, report: Report) -> str:
+    """Read the final log and exit code, then stop the server; a second Ctrl-C cannot skip it."""
+    log = ""
+    try:
+        log = server.log_text()
+        code = server.exit_code()
+        if code is not None:
+            report.server_exit = {"exit_code": code, "while": "during the run"}
+    except Exception as e:
+        report.errors.append(f"reading the server's log or state failed: {e}")
+    for attempt in range(3):
+        try:
+            server.stop()
+            break
+        except (KeyboardInterrupt, Interrupted):
+            continue
+        except Exception as e:
+            report.errors.append(f"stopping the server failed: {e}")
+            break
+    return log
+
+
+def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str | None,
+                health_timeout_s: float, request_timeout_s: float) -> None:
+    report.gpu = server.gpu_info()
+    try:
+        target = resolve_target(recipe, target_id, report.gpu)
+    except RecipeError as e:
+        report.errors.append(str(e))
+        return
+    report.target = target.id
+    try:
+        server.start()
+    except StartError as e:
+        report.checks.append(C.Check("server_healthy", False, f"the server did not start: {e}"))
+        return
+    client = Client(server.base_url, timeout_s=request_timeout_s)
+    healthy = wait_healthy(server, client, health_timeout_s)
+    report.checks.append(healthy)
+    report.timings["time_to_healthy_s"] = healthy.details.get("time_to_healthy_s")
+    if not report.gpu.get("gpus"):
+        report.gpu = server.gpu_info()  # inside the container, now that it runs
+    server.describe(report)
+    report.receipt = server.receipt()
+    report.versions.update({f"receipt_{k}": v for k, v in summarize_receipt(report.receipt).items()})
+    if not healthy.passed:
+        return
+    report.checks += C.run_http_checks(client, report.served_model_name)
+    report.timings["requests_s"] = {c.name: c.details.get("latency_s") for c in report.checks
+                                    if c.details.get("latency_s") is not None}
+    report.checks.append(C.check_verify(server.run_verify, server.verify_command))
+    capability = capability_of(report.gpu)
+    expected = expected_for(target, capability)
+    report.expected = expected.as_dict()
+    report.checks.append(C.check_backends(server.log_text(), expected, capability_problem(target, capability)))
+
+
+def _fill_not_run(report: Report) -> None:
+    done = {c.name for c in report.checks}
+    why = "the server never became healthy" if report.checks else (
+        "; ".join(report.errors) or "the run stopped before the server started")
+    if report.interrupted:
+        why = "interrupted"
+    report.checks += [C.not_run(name, why) for name in C.ALL_CHECKS if name not in done]
+
+
+def print_summary(report: Report, report_path: Path, stream: IO[str] = sys.stderr) -> None:
+    for check in report.checks:
+        mark = "PASS" if check.passed else "FAIL"
+        first_line = check.reason.splitlines()[0] if check.reason else ""
+        stream.write(f"{mark} {check.name}: {first_line}\n")
+    for error in report.errors:
+        stream.write(f"ERROR {error}\n")
+    stream.write(f"{'PASSED' if report.passed else 'FAILED'}: report {report_path}\n")
