@@ -1,0 +1,432 @@
+"""The overlay contract on synthetic site-packages trees: fast, CPU only, no vLLM needed."""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dsa_image import overlay
+from dsa_image.manifest import Entry, Manifest, ManifestError, manifest_bytes, parse_manifest, record_entry
+from dsa_image.recipe import load_recipe
+from dsa_image.wheels import sha256_bytes
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = load_recipe()
+VERSION = RECIPE.vllm_version
+
+UPSTREAM = {
+    "vllm/__init__.py": b"",
+    "vllm/envs.py": b"FLAG = 'upstream'\n",
+    "vllm/a/__init__.py": b"",
+    "vllm/a/mod.py": b"VALUE = 'upstream'\n",
+}
+OVERLAY = {
+    "vllm/envs.py": b"FLAG = 'overlay'\n",
+    "vllm/a/mod.py": b"VALUE = 'overlay'\n",
+    "vllm/a/new.py": b"NEW = True\n",
+}
+
+
+def write_tree(root: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def make_site(root: Path, version: str = VERSION) -> Path:
+    write_tree(root, UPSTREAM)
+    write_tree(root, {f"vllm-{version}.dist-info/METADATA":
+                      f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n".encode()})
+    return root
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+class Tree:
+    def __init__(self, base: Path):
+        self.site = make_site(base / "site")
+        self.overlay_dir = base / "overlay"
+        write_tree(self.overlay_dir, OVERLAY)
+        self.manifest_path = self.overlay_dir / "manifest.json"
+        self.record()
+
+    def record(self) -> None:
+        """(Re)write the manifest with the real recorder, against the synthetic upstream files."""
+        wheel = RECIPE.wheel("linux/amd64")
+        entries = tuple(record_entry(path, f"test: {path}", self.overlay_dir, UPSTREAM.get, None) for path in sorted(OVERLAY))
+        self.manifest = Manifest(VERSION, wheel.filename, wheel.sha256, entries)
+        self.manifest_path.write_bytes(manifest_bytes(self.manifest))
+
+    def apply(self, **kwargs) -> dict:
+        return overlay.apply(self.site, "glm5-dsa", self.manifest_path, self.overlay_dir, **kwargs)
+
+    def verify(self, **kwargs) -> list[str]:
+        return overlay.verify(self.site, self.manifest_path, **kwargs)
+
+
+@pytest.fixture
+def tree(tmp_path) -> Tree:
+    return Tree(tmp_path)
+
+
+@pytest.fixture
+def on_path(monkeypatch, tree):
+    """The fresh interpreter of verify finds the synthetic site through PYTHONPATH."""
+    monkeypatch.setenv("PYTHONPATH", str(tree.site))
+    return tree
+
+
+def expect_error(code: int, fn, *args, **kwargs) -> str:
+    with pytest.raises(overlay.OverlayError) as caught:
+        fn(*args, **kwargs)
+    assert caught.value.code == code, str(caught.value)
+    return str(caught.value)
+
+
+# --- apply -----------------------------------------------------------------------------------
+
+
+def test_apply_then_verify(on_path):
+    tree = on_path
+    receipt = tree.apply()
+    for rel, data in OVERLAY.items():
+        assert (tree.site / rel).read_bytes() == data
+    assert receipt["vllm_version"] == VERSION and receipt["recipe"] == "glm5-dsa"
+    assert receipt["manifest_sha256"] == sha256_bytes(tree.manifest_path.read_bytes())
+    assert [f["path"] for f in receipt["files"]] == sorted(OVERLAY)
+    new = next(f for f in receipt["files"] if f["path"] == "vllm/a/new.py")
+    assert new["upstream_sha256"] is None
+    assert json.loads((tree.site / overlay.RECEIPT_NAME).read_text()) == receipt
+    lines = tree.verify()
+    assert any(line.startswith("vllm.a.mod: ") and line.endswith("site/vllm/a/mod.py") for line in lines)
+
+
+def test_bytecode_is_replaced_not_stale(tree):
+    source = tree.site / "vllm/a/mod.py"
+    stale = Path(importlib.util.cache_from_source(str(source)))
+    stale.parent.mkdir()
+    stale.write_bytes(b"stale bytecode of the upstream module")
+    other_tag = stale.parent / "mod.cpython-39.opt-1.pyc"
+    other_tag.write_bytes(b"stale too")
+    tree.apply()
+    assert not other_tag.exists()
+    pyc = stale.read_bytes()
+    # flags = 0b11: hash-based pyc, checked against the source: never trusted for other bytes
+    assert int.from_bytes(pyc[4:8], "little") == 0b11
+    assert pyc[8:16] == importlib.util.source_hash(OVERLAY["vllm/a/mod.py"])
+    assert (tree.site / "vllm/a/__pycache__").glob("new.*.pyc")
+
+
+def test_drift_fails_with_message_and_changes_nothing(tree):
+    (tree.site / "vllm/a/mod.py").write_bytes(b"VALUE = 'upstream!'\n")
+    before = snapshot(tree.site)
+    message = expect_error(overlay.DRIFT, tree.apply)
+    assert message.startswith(f"vllm/a/mod.py: the overlay was made for vLLM {VERSION} (upstream sha256 ")
+    assert f"the installed vLLM is {VERSION}. Nothing was changed." in message
+    assert f"install vLLM {VERSION}" in message
+    assert snapshot(tree.site) == before
+
+
+def test_wrong_vllm_version_fails(tmp_path):
+    tree = Tree(tmp_path)
+    info = tree.site / f"vllm-{VERSION}.dist-info"
+    info.rename(tree.site / "vllm-0.25.0.dist-info")
+    (tree.site / "vllm-0.25.0.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.25.0\n")
+    before = snapshot(tree.site)
+    message = expect_error(overlay.DRIFT, tree.apply)
+    assert f"made for vLLM {VERSION}, but the installed vLLM is 0.25.0" in message
+    assert snapshot(tree.site) == before
+
+
+def test_new_file_never_overwrites(tree):
+    (tree.site / "vllm/a/new.py").write_bytes(b"something installed\n")
+    before = snapshot(tree.site)
+    message = expect_error(overlay.DRIFT, tree.apply)
+    assert "vllm/a/new.py:" in message and "never overwrites" in message
+    assert snapshot(tree.site) == before
+
+
+def test_second_apply_refuses(tree):
+    tree.apply()
+    before = snapshot(tree.site)
+    assert "already carries the overlay" in expect_error(overlay.DRIFT, tree.apply)
+    assert snapshot(tree.site) == before
+
+
+def test_no_vllm_in_target(tree):
+    for metadata in tree.site.glob("vllm-*.dist-info/METADATA"):
+        metadata.unlink()
+    before = snapshot(tree.site)
+    assert "no vllm-*.dist-info/METADATA" in expect_error(overlay.BAD_INPUT, tree.apply)
+    assert snapshot(tree.site) == before
+
+
+def test_target_is_not_a_directory(tree, tmp_path):
+    assert "not a directory" in expect_error(overlay.BAD_INPUT, overlay.apply, tmp_path / "absent", "glm5-dsa",
+                                             tree.manifest_path, tree.overlay_dir)
+
+
+def test_missing_overlay_file(tree):
+    (tree.overlay_dir / "vllm/a/mod.py").unlink()
+    before = snapshot(tree.site)
+    assert "overlay file missing" in expect_error(overlay.BAD_INPUT, tree.apply)
+    assert snapshot(tree.site) == before
+
+
+def test_overlay_file_edited_without_record(tree):
+    (tree.overlay_dir / "vllm/envs.py").write_bytes(b"FLAG = 'edited'\n")
+    before = snapshot(tree.site)
+    assert "record --refresh" in expect_error(overlay.BAD_INPUT, tree.apply)
+    assert snapshot(tree.site) == before
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda doc: "{not json",
+    lambda doc: json.dumps({**doc, "schema": 2}),
+    lambda doc: json.dumps({**doc, "files": list(reversed(doc["files"]))}),
+    lambda doc: json.dumps({**doc, "files": doc["files"] + doc["files"][:1]}),
+    lambda doc: json.dumps({**doc, "files": [{**doc["files"][0], "overlay_sha256": "abc"}]}),
+    lambda doc: json.dumps({**doc, "files": [{**doc["files"][0], "path": "vllm/../evil.py"}]}),
+    lambda doc: json.dumps({**doc, "files": [{**doc["files"][0], "path": "/etc/passwd"}]}),
+    lambda doc: json.dumps({**doc, "files": [{**doc["files"][0], "path": "torch/x.py"}]}),
+    lambda doc: json.dumps({**doc, "files": [{**doc["files"][0], "why": ""}]}),
+    lambda doc: json.dumps({k: v for k, v in doc.items() if k != "wheel"}),
+    lambda doc: json.dumps({**doc, "extra": 1}),
+], ids=["not-json", "schema", "unsorted", "duplicate", "bad-sha", "dotdot", "absolute", "outside-vllm",
+        "empty-why", "no-wheel", "unknown-key"])
+def test_malformed_manifest(tree, mutate):
+    doc = json.loads(tree.manifest_path.read_bytes())
+    tree.manifest_path.write_text(mutate(doc))
+    before = snapshot(tree.site)
+    message = expect_error(overlay.BAD_INPUT, tree.apply)
+    assert "\n" not in message and str(tree.manifest_path) in message
+    assert snapshot(tree.site) == before
+
+
+def test_manifest_for_another_vllm_than_the_recipe(tree):
+    doc = json.loads(tree.manifest_path.read_bytes())
+    tree.manifest_path.write_text(json.dumps({**doc, "vllm_version": "0.25.0"}))
+    assert f"recipe glm5-dsa pins vLLM {VERSION}" in expect_error(overlay.BAD_INPUT, tree.apply)
+
+
+def test_unknown_recipe(tree):
+    message = expect_error(overlay.BAD_INPUT, overlay.apply, tree.site, "nope", tree.manifest_path, tree.overlay_dir)
+    assert message == "unknown recipe 'nope'; valid recipes: glm5-dsa"
+
+
+def test_copy_failing_midway_restores_every_file(tree, monkeypatch):
+    pyc = Path(importlib.util.cache_from_source(str(tree.site / "vllm/envs.py")))
+    pyc.parent.mkdir()
+    pyc.write_bytes(b"pre-existing bytecode")
+    before = snapshot(tree.site)
+    real_write = overlay._write_atomic
+    calls = []
+
+    def fail_on_second(path, data, mode=0o644):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "simulated I/O error", str(path))
+        real_write(path, data, mode)
+
+    monkeypatch.setattr(overlay, "_write_atomic", fail_on_second)
+    message = expect_error(overlay.CANNOT_WRITE, tree.apply)
+    assert "every file was restored" in message
+    assert len(calls) > 2  # the rollback wrote the first file back
+    assert snapshot(tree.site) == before
+
+
+def test_compile_failure_after_copy_restores_every_file(tmp_path):
+    tree = Tree(tmp_path)
+    (tree.overlay_dir / "vllm/a/new.py").write_bytes(b"def broken(:\n")
+    tree.record()
+    before = snapshot(tree.site)
+    assert "every file was restored" in expect_error(overlay.CANNOT_WRITE, tree.apply)
+    assert snapshot(tree.site) == before
+
+
+def test_read_only_target_changes_nothing(tree, monkeypatch):
+    """A read-only mount (EROFS) refuses writes even to root, so simulate it at the syscall
+    the tool uses to create files (chmod would not stop root)."""
+    real_mkstemp = tempfile.mkstemp
+    site = str(tree.site)
+
+    def read_only_mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and str(dir).startswith(site):
+            raise OSError(errno.EROFS, "Read-only file system", str(dir))
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only_mkstemp)
+    before = snapshot(tree.site)
+    message = expect_error(overlay.CANNOT_WRITE, tree.apply)
+    assert "Read-only file system" in message and "Nothing was changed" in message
+    assert snapshot(tree.site) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod; the EROFS test covers root")
+def test_unwritable_directory_changes_nothing(tree):
+    directory = tree.site / "vllm/a"
+    directory.chmod(0o555)
+    try:
+        before = snapshot(tree.site)
+        assert "cannot write" in expect_error(overlay.CANNOT_WRITE, tree.apply)
+        assert snapshot(tree.site) == before
+    finally:
+        directory.chmod(0o755)
+
+
+def test_receipts_are_reproducible(tmp_path):
+    first, second = Tree(tmp_path / "one"), Tree(tmp_path / "two")
+    first.apply()
+    second.apply()
+    one, two = snapshot(first.site), snapshot(second.site)
+    assert one[overlay.RECEIPT_NAME] == two[overlay.RECEIPT_NAME]
+    assert b"time" not in one[overlay.RECEIPT_NAME]
+
+
+def test_same_path_same_bytes(tmp_path):
+    """Applied twice at the same path (as in a Docker build), every byte is the same, bytecode
+    included: checked-hash pycs carry no mtime (the source path is in them, hence same path)."""
+    first = Tree(tmp_path / "build")
+    first.apply()
+    one = snapshot(first.site)
+    shutil.rmtree(tmp_path / "build")
+    second = Tree(tmp_path / "build")
+    os.utime(second.overlay_dir / "vllm/envs.py", (1, 1))  # a different mtime must not matter
+    second.apply()
+    assert snapshot(second.site) == one
+
+
+def test_receipt_elsewhere(tree, tmp_path):
+    receipt = tmp_path / "out" / "receipt.json"
+    receipt.parent.mkdir()
+    tree.apply(receipt_path=receipt)
+    assert receipt.exists() and not (tree.site / overlay.RECEIPT_NAME).exists()
+    overlay.verify_hashes(tree.site, tree.manifest_path, receipt)
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+
+def test_verify_detects_file_changed_after_apply(on_path):
+    on_path.apply()
+    (on_path.site / "vllm/a/mod.py").write_bytes(b"VALUE = 'changed later'\n")
+    assert "changed after apply" in expect_error(overlay.MISMATCH, on_path.verify)
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda r: {**r, "files": [{**r["files"][0], "installed_sha256": "0" * 64}, *r["files"][1:]]},
+    lambda r: {**r, "manifest_sha256": "1" * 64},
+    lambda r: {**r, "vllm_version": "0.25.0"},
+    lambda r: {**r, "files": r["files"][1:]},
+    lambda r: {**r, "extra": True},
+], ids=["installed-hash", "manifest-hash", "version", "dropped-file", "extra-key"])
+def test_verify_detects_tampered_receipt(on_path, tamper):
+    receipt_path = on_path.site / overlay.RECEIPT_NAME
+    receipt_path.write_text(json.dumps(tamper(on_path.apply())))
+    expect_error(overlay.MISMATCH, on_path.verify)
+
+
+def test_verify_without_or_with_garbage_receipt(on_path):
+    assert "no receipt" in expect_error(overlay.MISMATCH, on_path.verify)
+    on_path.apply()
+    (on_path.site / overlay.RECEIPT_NAME).write_text("{")
+    assert "not JSON" in expect_error(overlay.MISMATCH, on_path.verify)
+
+
+def test_verify_detects_pythonpath_shadowing(tree, tmp_path, monkeypatch):
+    tree.apply()
+    checkout = tmp_path / "checkout"
+    write_tree(checkout, {**UPSTREAM, **OVERLAY})
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(checkout), str(tree.site)]))
+    message = expect_error(overlay.MISMATCH, tree.verify)
+    assert f"imported from {checkout}" in message and "shadowed" in message
+
+
+def test_verify_is_not_fooled_by_the_working_directory(on_path, tmp_path, monkeypatch):
+    """A vllm/ in the caller's cwd does not shadow: the probe runs in an empty directory."""
+    on_path.apply()
+    cwd = tmp_path / "cwd"
+    write_tree(cwd, {**UPSTREAM, **OVERLAY})
+    monkeypatch.chdir(cwd)
+    on_path.verify()
+
+
+def test_verify_says_when_site_is_not_on_sys_path(tree, monkeypatch):
+    tree.apply()
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    message = expect_error(overlay.MISMATCH, tree.verify)
+    assert f"{tree.site} is not on sys.path of {sys.executable}" in message
+
+
+def test_module_names():
+    def module(path):
+        return Entry(path, None, "0" * 64, "w").module
+    assert module("vllm/v1/attention/backends/mla/indexer.py") == "vllm.v1.attention.backends.mla.indexer"
+    assert module("vllm/a/__init__.py") == "vllm.a"
+    assert module("vllm/a/data.json") is None
+
+
+# --- manifest and record -------------------------------------------------------------------
+
+
+def test_manifest_bytes_round_trip_and_are_stable(tree):
+    raw = tree.manifest_path.read_bytes()
+    assert manifest_bytes(parse_manifest(raw)) == raw
+    assert raw.endswith(b"}\n") and json.loads(raw)["schema"] == 1
+
+
+def test_record_entry_needs_why_and_keeps_it(tree):
+    with pytest.raises(ManifestError, match="needs --why"):
+        record_entry("vllm/envs.py", None, tree.overlay_dir, UPSTREAM.get, None)
+    previous = tree.manifest.entry("vllm/envs.py")
+    (tree.overlay_dir / "vllm/envs.py").write_bytes(b"FLAG = 'v2'\n")
+    fresh = record_entry("vllm/envs.py", None, tree.overlay_dir, UPSTREAM.get, previous)
+    assert fresh.why == previous.why
+    assert fresh.overlay_sha256 == sha256_bytes(b"FLAG = 'v2'\n") != previous.overlay_sha256
+    assert fresh.upstream_sha256 == sha256_bytes(UPSTREAM["vllm/envs.py"])
+
+
+def test_unrecorded_overlay_file_is_reported(tree):
+    write_tree(tree.overlay_dir, {"vllm/stray.py": b"x = 1\n", "vllm/__pycache__/envs.cpython-311.pyc": b"ignored"})
+    assert overlay.unrecorded_files(tree.manifest, tree.overlay_dir) == ["vllm/stray.py"]
+
+
+# --- the CLI -------------------------------------------------------------------------------
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts/overlay.py"), *args], capture_output=True,
+                          text=True, env=env, cwd="/")
+
+
+def test_cli_help_documents_exit_codes():
+    done = run_cli("--help")
+    assert done.returncode == 0
+    for code in ("0  ok", "1  verification mismatch", "2  bad usage", "3  upstream drift", "4  cannot write"):
+        assert code in done.stdout
+
+
+def test_cli_apply_and_verify(tree):
+    common = ["--manifest", str(tree.manifest_path), "--overlay-dir", str(tree.overlay_dir)]
+    (tree.site / "vllm/envs.py").write_bytes(b"drifted\n")
+    drift = run_cli(*common, "apply", "--site-packages", str(tree.site))
+    assert drift.returncode == overlay.DRIFT and drift.stderr.startswith("error: vllm/envs.py: the overlay was made")
+    (tree.site / "vllm/envs.py").write_bytes(UPSTREAM["vllm/envs.py"])
+    assert run_cli(*common, "apply", "--site-packages", str(tree.site)).returncode == 0
+    env = {**os.environ, "PYTHONPATH": str(tree.site)}
+    done = run_cli(*common, "verify", "--site-packages", str(tree.site), env=env)
+    assert done.returncode == 0, done.stderr
+    assert run_cli(*common, "apply", "--site-packages", str(tree.site), "--recipe", "nope").returncode == overlay.BAD_INPUT
+    assert run_cli("apply").returncode == 2  # usage: --site-packages is required

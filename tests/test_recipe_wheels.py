@@ -1,0 +1,102 @@
+"""dsa_image.wheels against a local PEP 691 index: download, verification, refusal."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from dsa_image import wheels
+
+FILENAME = "fakepkg-1.0-py3-none-any.whl"
+PAYLOAD = b"not really a zip, but bytes with a hash"
+SHA = hashlib.sha256(PAYLOAD).hexdigest()
+
+
+@pytest.fixture
+def index(tmp_path, monkeypatch):
+    """A PEP 691 JSON simple index on 127.0.0.1 listing one file; `listed_sha` is what the
+    index claims, PAYLOAD what it serves."""
+    state = {"listed_sha": SHA, "downloads": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/simple/fakepkg/":
+                body = json.dumps({"meta": {"api-version": "1.0"}, "name": "fakepkg", "files": [
+                    {"filename": FILENAME, "url": f"/files/{FILENAME}", "hashes": {"sha256": state["listed_sha"]}}]}).encode()
+            elif self.path == f"/files/{FILENAME}":
+                state["downloads"] += 1
+                body = PAYLOAD
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("DSA_IMAGE_CACHE", str(tmp_path / "cache"))
+    state["url"] = f"http://127.0.0.1:{server.server_address[1]}/simple"
+    yield state
+    server.shutdown()
+
+
+def test_download_verifies_and_caches(index):
+    path = wheels.ensure_wheel(FILENAME, SHA, index["url"])
+    assert path.read_bytes() == PAYLOAD and path.parent == wheels.cache_dir() / "wheels"
+    wheels.ensure_wheel(FILENAME, SHA, index["url"])
+    assert index["downloads"] == 1  # second call: from the cache, re-hashed
+
+
+def test_lock_wheel_returns_the_computed_sha(index):
+    path, sha = wheels.lock_wheel(FILENAME, index["url"])
+    assert sha == SHA == wheels.sha256_file(path)
+
+
+def test_index_and_file_disagree(index):
+    index["listed_sha"] = "0" * 64
+    with pytest.raises(wheels.WheelError, match="downloaded file has sha256"):
+        wheels.lock_wheel(FILENAME, index["url"])
+    assert list((wheels.cache_dir() / "wheels").iterdir()) == []  # nothing half-cached
+
+
+def test_recipe_pin_differs_from_index(index):
+    with pytest.raises(wheels.WheelError, match="the recipe pins sha256"):
+        wheels.ensure_wheel(FILENAME, "1" * 64, index["url"])
+    assert index["downloads"] == 0
+
+
+def test_tampered_cache_is_refused(index):
+    path = wheels.ensure_wheel(FILENAME, SHA, index["url"])
+    path.write_bytes(PAYLOAD + b"!")
+    with pytest.raises(wheels.WheelError, match="Delete the cached file"):
+        wheels.ensure_wheel(FILENAME, SHA, index["url"])
+
+
+def test_empty_pin_is_refused():
+    with pytest.raises(wheels.WheelError, match="scripts/recipe.py lock"):
+        wheels.ensure_wheel(FILENAME, "")
+
+
+def test_unreachable_index(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSA_IMAGE_CACHE", str(tmp_path))
+    with pytest.raises(wheels.WheelError, match="cannot read the package index"):
+        wheels.ensure_wheel(FILENAME, SHA, "http://127.0.0.1:9/simple")
+
+
+def test_read_member(tmp_path):
+    import zipfile
+    archive = tmp_path / "x.whl"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("vllm/envs.py", b"X = 1\n")
+    assert wheels.read_member(archive, "vllm/envs.py") == b"X = 1\n"
+    assert wheels.read_member(archive, "vllm/absent.py") is None
