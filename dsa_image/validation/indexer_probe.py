@@ -1,0 +1,389 @@
+"""Run the DSA indexer metadata builder of the vLLM on sys.path over fixed batches.
+
+Run once with stock vLLM 0.24.0 and once with our overlay applied (same seed);
+``compare.py`` then checks them tensor for tensor. Per scenario it records every
+tensor and scalar of the metadata, the number of synchronising CUDA calls during
+``build()`` (``torch.cuda.set_sync_debug_mode``) and the host time per build.
+With ``--overlay-checks`` it also runs what only the overlay has: the b12x
+metadata path, the block-table width case, and the DCP metadata references.
+
+Needs a CUDA GPU, torch and vLLM. Usage:
+    python -m dsa_image.validation.indexer_probe --model DIR --out FILE.pt [--overlay-checks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+import types
+import warnings
+
+import numpy as np
+
+from dsa_image.validation import batches as B
+
+MAX_MODEL_LEN = 8192
+MAX_NUM_BATCHED_TOKENS = 16384
+NUM_BLOCKS = 4096
+SEED = 1234
+HOST_TIME_REPEATS = 200
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def make_vllm_config(model_dir: str, num_speculative_tokens: int):
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(
+        model=model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=256,
+        block_size=B.BLOCK_SIZE,
+        load_format="dummy",
+        enforce_eager=True,
+    ).create_engine_config()
+    if num_speculative_tokens:
+        # The builder reads only num_speculative_tokens; a real MTP config needs
+        # a model with next-n layers, which the tiny model does not have.
+        object.__setattr__(
+            config,
+            "speculative_config",
+            types.SimpleNamespace(num_speculative_tokens=num_speculative_tokens),
+        )
+    return config
+
+
+def make_builder(vllm_config):
+    torch = _torch()
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadataBuilder
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(
+        block_size=B.BLOCK_SIZE, num_kv_heads=1, head_size=132, dtype=torch.uint8
+    )
+    with set_current_vllm_config(vllm_config):
+        return DeepseekV32IndexerMetadataBuilder(
+            spec, ["model.layers.0.self_attn.indexer.k_cache"], vllm_config,
+            torch.device("cuda:0"),
+        )
+
+
+def make_common_metadata(spec: B.BatchSpec, block_table: np.ndarray,
+                         dcp: "tuple[B.DcpLayout, int] | None" = None):
+    """vLLM's CommonAttentionMetadata for ``spec``, as the runner would hand it."""
+    torch = _torch()
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    dev = torch.device("cuda:0")
+    qsl = np.concatenate([[0], np.cumsum(spec.query_lens)]).astype(np.int32)
+    seq = np.asarray(spec.seq_lens, dtype=np.int32)
+    slots = [
+        int(block_table[r, p // B.BLOCK_SIZE]) * B.BLOCK_SIZE + p % B.BLOCK_SIZE
+        for r, (q, s) in enumerate(zip(spec.query_lens, spec.seq_lens))
+        for p in range(s - q, s)
+    ]
+    extra = {}
+    if dcp is not None:
+        layout, rank = dcp
+        local = np.array([layout.local_len(s, rank) for s in seq], dtype=np.int32)
+        extra = dict(dcp_local_seq_lens=torch.from_numpy(local).to(dev),
+                     dcp_local_seq_lens_cpu=torch.from_numpy(local))
+    seq_cpu = torch.from_numpy(seq)
+    return CommonAttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl).to(dev),
+        query_start_loc_cpu=torch.from_numpy(qsl),
+        seq_lens=seq_cpu.to(dev),
+        num_reqs=spec.num_reqs,
+        num_actual_tokens=spec.num_tokens,
+        max_query_len=int(max(spec.query_lens)),
+        max_seq_len=int(seq.max()),
+        block_table_tensor=torch.from_numpy(block_table).to(dev),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        seq_lens_cpu_upper_bound=seq_cpu,
+        _seq_lens_cpu=seq_cpu,
+        **extra,
+    )
+
+
+def flatten_metadata(md) -> dict:
+    """Every tensor and scalar of the metadata, by dotted name, on the CPU."""
+    torch = _torch()
+    out = {}
+
+    def put(prefix, obj):
+        for field, value in vars(obj).items():
+            key = f"{prefix}{field}"
+            if isinstance(value, torch.Tensor):
+                out[key] = value.detach().cpu().clone()
+            elif isinstance(value, (int, float, bool)) or value is None:
+                out[key] = value
+
+    put("", md)
+    if md.decode is not None:
+        put("decode.", md.decode)
+    if md.prefill is not None:
+        out["prefill.num_chunks"] = len(md.prefill.chunks)
+        for i, chunk in enumerate(md.prefill.chunks):
+            put(f"prefill.chunks.{i}.", chunk)
+    return out
+
+
+def count_syncs(fn) -> int:
+    """Synchronising CUDA calls torch reports while ``fn`` runs."""
+    torch = _torch()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def host_time_us(fn, repeats: int = HOST_TIME_REPEATS) -> float:
+    """Median host (CPU) time of one call, launches left asynchronous."""
+    torch = _torch()
+    samples = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        samples.append((time.perf_counter() - start) / repeats * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def run_scenarios(model_dir: str) -> dict:
+    torch = _torch()
+    rng = np.random.default_rng(SEED)
+    results = {}
+    for next_n, specs in B.standard_batches(SEED, MAX_MODEL_LEN).items():
+        builder = make_builder(make_vllm_config(model_dir, next_n - 1))
+        width = builder.expanded_block_table_buffer.shape[1]
+        runner_width = -(-MAX_MODEL_LEN // B.BLOCK_SIZE)
+        for spec in specs:
+            table = B.random_block_table(rng, spec.num_reqs, runner_width, NUM_BLOCKS)
+            cm = make_common_metadata(spec, table)
+            build = lambda: builder.build(0, cm)  # noqa: E731
+            build()  # first build: JIT and allocator warm-up stay out of the counts
+            md = build()
+            torch.cuda.synchronize()
+            results[spec.name] = {
+                "next_n": next_n,
+                "use_flattening": bool(builder.use_flattening),
+                "runner_block_table_width": runner_width,
+                "expanded_block_table_width": int(width),
+                "true_decode_max_seq_len": _true_decode_max(spec, md),
+                "syncs": count_syncs(build),
+                "host_us": host_time_us(build),
+                "tensors": flatten_metadata(md),
+            }
+            print(f"  {spec.name}: syncs={results[spec.name]['syncs']} "
+                  f"host={results[spec.name]['host_us']:.1f}us", flush=True)
+    return results
+
+
+def _true_decode_max(spec: B.BatchSpec, md) -> int:
+    return int(max(spec.seq_lens[: md.num_decodes], default=0))
+
+
+# --- overlay-only checks ----------------------------------------------------
+
+
+def check_block_table_growth(model_dir: str) -> dict:
+    """The runner hands a block table wider than the builder's buffer.
+
+    Flattened MTP (next_n=4 on sm_90): stock raises on the variable-length path
+    and drops the last column on the uniform one; the overlay must give every
+    flattened row its request's full row.
+    """
+    rng = np.random.default_rng(SEED + 1)
+    builder = make_builder(make_vllm_config(model_dir, 3))
+    buffer_width = builder.expanded_block_table_buffer.shape[1]
+    runner_width = buffer_width + 3
+    report = {"buffer_width": int(buffer_width), "runner_width": int(runner_width)}
+    for variable in (False, True):
+        name = "variable" if variable else "uniform"
+        spec = B.decode_batch(rng, f"wide_{name}", 8, 4, MAX_MODEL_LEN, variable)
+        table = B.random_block_table(rng, spec.num_reqs, runner_width, NUM_BLOCKS)
+        try:
+            md = builder.build(0, make_common_metadata(spec, table))
+        except Exception as e:  # noqa: BLE001 - stock's failure is the finding
+            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+            continue
+        got = md.decode.block_table[:, :runner_width].cpu().numpy()
+        want = np.repeat(table, spec.query_lens, axis=0)
+        report[name] = {"ok": bool(np.array_equal(got, want)),
+                        "rows": int(want.shape[0])}
+    return report
+
+
+def check_b12x_path(model_dir: str) -> dict:
+    """b12x on: the start-up refusal on this GPU, then (capability check
+    bypassed, the kernels are never launched) the metadata path's syncs."""
+    torch = _torch()
+    from vllm.v1.attention.backends.mla import b12x_indexer
+
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()  # the variable is flipped inside this process
+    os.environ["VLLM_USE_B12X_SPARSE_INDEXER"] = "1"
+    report = {}
+    try:
+        make_builder(make_vllm_config(model_dir, 0))
+        report["startup_refusal"] = {"ok": False, "error": "no error raised"}
+    except RuntimeError as e:
+        report["startup_refusal"] = {"ok": "compute capability" in str(e),
+                                     "message": str(e)}
+    original = b12x_indexer.require_supported
+    b12x_indexer.require_supported = lambda *a, **k: None
+    try:
+        rng = np.random.default_rng(SEED + 2)
+        report["scenarios"] = {}
+        for next_n in (1, 4):
+            builder = make_builder(make_vllm_config(model_dir, next_n - 1))
+            for spec in B.standard_batches(SEED, MAX_MODEL_LEN)[next_n]:
+                table = B.random_block_table(rng, spec.num_reqs, 128, NUM_BLOCKS)
+                cm = make_common_metadata(spec, table)
+                build = lambda: builder.build(0, cm)  # noqa: E731
+                md = build()
+                torch.cuda.synchronize()
+                entry = {"syncs": count_syncs(build), "host_us": host_time_us(build, 50),
+                         "chunks": len(md.prefill.chunks) if md.prefill else 0}
+                if md.decode is not None:
+                    entry["active_width"] = int(md.decode.active_width.item())
+                    entry["max_seq_len"] = md.decode.max_seq_len
+                    entry["true_max"] = _true_decode_max(spec, md)
+                    entry["schedule"] = md.decode.schedule_metadata is not None
+                report["scenarios"][spec.name] = entry
+    finally:
+        b12x_indexer.require_supported = original
+        os.environ.pop("VLLM_USE_B12X_SPARSE_INDEXER")
+    return report
+
+
+def check_dcp(model_dir: str) -> dict:
+    """Rank-local lengths, slot mapping and chunk bounds against the references,
+    and that the ranks together store every global position exactly once."""
+    torch = _torch()
+    rng = np.random.default_rng(SEED + 3)
+    builder = make_builder(make_vllm_config(model_dir, 0))
+    builder.compressed_slot_mapping_buffer = torch.zeros(
+        MAX_NUM_BATCHED_TOKENS, dtype=torch.int64, device="cuda:0")
+    spec = B.mixed_batch(rng, "dcp_mixed", 6, (300, 2100), 4000)
+    whole = B.BatchSpec("dcp_whole", (700, 1), (700, 1500))  # a full prefill + a decode
+    report = {}
+    for world in (2, 4):
+        for interleave in (1, 8, 64):
+            key = f"dcp{world}_i{interleave}"
+            layout = B.DcpLayout(world, interleave, 4096)
+            failures = []
+            owners = {}
+            for rank in range(world):
+                builder.dcp_world_size, builder.dcp_rank = world, rank
+                builder.cp_kv_cache_interleave_size = interleave
+                for s in (spec, whole):
+                    table = B.random_block_table(rng, s.num_reqs, 128, NUM_BLOCKS)
+                    md = builder.build(0, make_common_metadata(s, table, (layout, rank)))
+                    failures += _dcp_mismatches(s, table, md, layout, rank)
+                    if s is whole:
+                        slots = md.slot_mapping.cpu().tolist()
+                        for pos, slot in enumerate(slots[:700]):
+                            if slot >= 0:
+                                owners.setdefault(pos, []).append(rank)
+            covered_once = sorted(owners) == list(range(700)) and all(
+                len(r) == 1 for r in owners.values())
+            report[key] = {"ok": not failures and covered_once,
+                           "covered_once": covered_once, "failures": failures[:5]}
+    return report
+
+
+def _dcp_mismatches(spec, table, md, layout, rank) -> list[str]:
+    out = []
+    want_slots = B.reference_slot_mapping(spec, table, layout, rank)
+    if md.slot_mapping.cpu().tolist() != want_slots:
+        out.append(f"{spec.name} rank {rank}: slot mapping")
+    nd = md.num_decodes
+    if nd:
+        want = [layout.local_len(s, rank) for s in spec.seq_lens[:nd]]
+        got = md.decode.seq_lens.reshape(-1).cpu().tolist()
+        if got != want:
+            out.append(f"{spec.name} rank {rank}: decode lens {got[:4]} != {want[:4]}")
+        if md.decode.max_seq_len != max(want):
+            out.append(f"{spec.name} rank {rank}: decode max {md.decode.max_seq_len}")
+    if md.prefill is not None:
+        for chunk in md.prefill.chunks:
+            first = int(np.searchsorted(
+                np.cumsum(spec.query_lens), chunk.token_start, side="right"))
+            ks, ke = B.reference_prefill_key_ranges(
+                spec, first, first + chunk.num_reqs, layout, rank)
+            if (chunk.cu_seqlen_ks.cpu().tolist() != ks
+                    or chunk.cu_seqlen_ke.cpu().tolist() != ke):
+                out.append(f"{spec.name} rank {rank}: prefill key ranges")
+            want_total = sum(layout.local_len(s, rank)
+                             for s in spec.seq_lens[first:first + chunk.num_reqs])
+            if chunk.total_seq_lens != want_total:
+                out.append(f"{spec.name} rank {rank}: total {chunk.total_seq_lens}")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="tiny GLM-5 model directory")
+    parser.add_argument("--out", required=True, help="results file (.pt)")
+    parser.add_argument("--overlay-checks", action="store_true",
+                        help="also run the overlay-only checks (b12x, width, DCP)")
+    args = parser.parse_args(argv)
+    torch = _torch()
+    import vllm
+
+    results = {
+        "vllm_file": vllm.__file__,
+        "indexer_file": sys.modules["vllm"].__file__,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "capability": list(torch.cuda.get_device_capability(0)),
+    }
+    from vllm.v1.attention.backends.mla import indexer
+
+    results["indexer_file"] = indexer.__file__
+    print(f"indexer: {indexer.__file__}", flush=True)
+    results["scenarios"] = run_scenarios(args.model)
+    results["block_table_growth"] = _guarded(check_block_table_growth, args.model)
+    if args.overlay_checks:
+        results["b12x"] = _guarded(check_b12x_path, args.model)
+        results["dcp"] = _guarded(check_dcp, args.model)
+    torch.save(results, args.out)
+    summary = {k: v for k, v in results.items() if k not in ("scenarios",)}
+    print(json.dumps(summary, indent=1, default=str), flush=True)
+    return 0
+
+
+def _guarded(check, *args):
+    """A failing check is recorded, not fatal: the other checks still run."""
+    try:
+        return check(*args)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        return {"ok": False, "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-3000:]}
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

@@ -1,0 +1,181 @@
+"""Serving equivalence: stock vLLM twice and the overlay once, same seed, same requests.
+
+Starts the three servers side by side on one GPU (each its own HOME, so no
+compile cache is shared), sends every server the same greedy requests (short
+prompts and prompts over 2048 tokens, one by one and then several at once) and
+compares the generated token ids and logprobs. Stock against stock first: only
+if that repeats exactly does a stock/overlay difference mean something. Also
+reports, per server, the Triton kernels the JIT monitor saw compiled during
+inference.
+
+Stdlib only (runs under any Python that can start vLLM). Usage:
+    python -m dsa_image.validation.serving --model DIR --stock-site S \
+        --overlay-site O --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+SERVED_NAME = "glm-5"
+PROMPT_LENGTHS = (20, 300, 2049, 3000, 5000, 7000)
+MAX_TOKENS = 24
+JIT_LINE = re.compile(r"JIT compilation during inference: (\w+)")
+
+
+def prompts(vocab_size: int = 1024, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Ids 3.. skip the special tokens (bos/eos/pad are 0/1/2).
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def start_server(name, site, model, port, out_dir, extra_args):
+    home = f"/tmp/home-{name}"
+    os.makedirs(home, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=site, HOME=home, VLLM_CACHE_ROOT=f"{home}/vllm",
+               DG_JIT_CACHE_DIR=f"{home}/deep_gemm", TRITON_CACHE_DIR=f"{home}/triton")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+           "--port", str(port), "--served-model-name", SERVED_NAME,
+           "--load-format", "dummy", "--seed", "0", "--max-model-len", "8192",
+           *extra_args]
+    log = open(os.path.join(out_dir, f"server-{name}.log"), "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=home, start_new_session=True)
+    return {"name": name, "port": port, "proc": proc, "log": log.name, "cmd": cmd}
+
+
+def wait_healthy(server, deadline) -> float:
+    start = time.monotonic()
+    url = f"http://127.0.0.1:{server['port']}/health"
+    while time.monotonic() < deadline:
+        if server["proc"].poll() is not None:
+            raise RuntimeError(f"{server['name']} exited with {server['proc'].returncode}"
+                               f" before becoming healthy; see {server['log']}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - start
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"{server['name']} not healthy in time; see {server['log']}")
+
+
+def complete(port: int, prompt: list[int]) -> dict:
+    body = json.dumps({
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
+        "temperature": 0.0, "logprobs": 1, "return_token_ids": True,
+        "ignore_eos": True,
+    }).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        choice = json.load(r)["choices"][0]
+    return {"token_ids": choice.get("token_ids"),
+            "logprobs": choice["logprobs"]["token_logprobs"],
+            "text": choice["text"]}
+
+
+def run_requests(port: int, batch: list[list[int]]) -> dict:
+    sequential = [complete(port, p) for p in batch]
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        concurrent_ = list(pool.map(lambda p: complete(port, p), batch))
+    return {"sequential": sequential, "concurrent": concurrent_}
+
+
+def compare(a: dict, b: dict) -> dict:
+    """Token-for-token and logprob comparison of two servers' results."""
+    token_mismatches, max_logprob_diff = [], 0.0
+    for mode in ("sequential", "concurrent"):
+        for i, (x, y) in enumerate(zip(a[mode], b[mode])):
+            if x["token_ids"] != y["token_ids"]:
+                token_mismatches.append(f"{mode}[{i}] ({PROMPT_LENGTHS[i]} tokens)")
+            diffs = [abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])
+                     if p is not None and q is not None]
+            max_logprob_diff = max([max_logprob_diff, *diffs])
+    return {"identical_tokens": not token_mismatches, "mismatches": token_mismatches,
+            "max_abs_logprob_diff": max_logprob_diff}
+
+
+def jit_kernels_during_inference(log_path: str) -> list[str]:
+    with open(log_path, errors="replace") as f:
+        return sorted({m.group(1) for m in JIT_LINE.finditer(f.read())})
+
+
+def stop(server) -> None:
+    if server["proc"].poll() is None:
+        os.killpg(server["proc"].pid, signal.SIGTERM)
+        try:
+            server["proc"].wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server["proc"].pid, signal.SIGKILL)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--stock-site", required=True)
+    parser.add_argument("--overlay-site", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--server-args",
+                        default="--enforce-eager --gpu-memory-utilization 0.12",
+                        help="extra vllm serve arguments, one string")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    plan = [("stock_a", args.stock_site, 8101), ("stock_b", args.stock_site, 8102),
+            ("overlay", args.overlay_site, 8103)]
+    servers = [start_server(n, s, args.model, p, args.out, shlex.split(args.server_args))
+               for n, s, p in plan]
+    report = {"prompt_lengths": PROMPT_LENGTHS, "max_tokens": MAX_TOKENS,
+              "server_cmd": servers[0]["cmd"][1:]}
+    try:
+        deadline = time.monotonic() + args.timeout
+        report["healthy_after_s"] = {s["name"]: round(wait_healthy(s, deadline), 1)
+                                     for s in servers}
+        batch = prompts()
+        results = {}
+        for s in servers:
+            t0 = time.monotonic()
+            results[s["name"]] = run_requests(s["port"], batch)
+            report.setdefault("request_time_s", {})[s["name"]] = round(time.monotonic() - t0, 2)
+        report["stock_vs_stock"] = compare(results["stock_a"], results["stock_b"])
+        report["stock_vs_overlay"] = compare(results["stock_a"], results["overlay"])
+        report["sample_tokens"] = {n: r["sequential"][3]["token_ids"] for n, r in results.items()}
+        report["empty_text"] = [n for n, r in results.items()
+                                if any(not c["text"] for m in r.values() for c in m)]
+    except Exception as e:  # noqa: BLE001 - reported, then servers are stopped
+        report["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        for s in servers:
+            stop(s)
+    report["jit_during_inference"] = {s["name"]: jit_kernels_during_inference(s["log"])
+                                      for s in servers}
+    report["ok"] = bool(
+        "error" not in report
+        and report.get("stock_vs_stock", {}).get("identical_tokens")
+        and report.get("stock_vs_overlay", {}).get("identical_tokens")
+        and not report.get("empty_text")
+        and "_build_prefill_chunk_metadata_kernel" not in report["jit_during_inference"]["overlay"]
+    )
+    with open(os.path.join(args.out, "serving-equivalence.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({k: v for k, v in report.items() if k != "sample_tokens"}, indent=1))
+    print("SERVING EQUIVALENCE:", "PASS" if report["ok"] else "FAIL")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

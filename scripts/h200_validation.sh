@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The H200 validation run of the overlay against stock vLLM 0.24.0, in two phases
+# (each fits one 10-minute device call; /tmp carries state between them):
+#
+#   install  reassemble the staged wheels, install stock vLLM 0.24.0 into
+#            /tmp/site-stock, copy it to /tmp/site-overlay and apply our overlay
+#            there with our tool, verify, make the tiny GLM-5; then run the
+#            indexer metadata probe on both (equivalence, syncs, host time,
+#            block-table width, b12x metadata path, DCP) and compare.
+#   serve    stock twice and the overlay once, served side by side (token
+#            equivalence, JIT-during-inference), and the smoke test's local
+#            runtime against the overlay.
+#
+# Wheels arrive split (scripts/stage_h200_wheels.sh) in /tmp/stage. Results go
+# to $OUT (as one tarball plus the summaries: $OUT keeps at most 8 files).
+# Usage: bash scripts/h200_validation.sh install|serve
+set -uo pipefail
+phase=${1:?usage: h200_validation.sh install|serve}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/out}
+results=/tmp/results
+mkdir -p "$results" "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export VLLM_DISABLE_COMPILE_CACHE=1
+
+log() { echo "[$(date -u +%H:%M:%S)] $*"; }
+
+environment() {
+  {
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader
+    python3 -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
+    git -C "$repo" rev-parse HEAD 2>/dev/null || echo "repo: no git"
+  } > "$results/environment.txt" 2>&1
+  cat "$results/environment.txt"
+}
+
+install() {
+  log "reassembling wheels"
+  mkdir -p /tmp/wheels
+  (cd /tmp/stage && cat bundle.tar.part* > /tmp/bundle.tar && sha256sum -c SHA256SUMS) || exit 1
+  tar -xf /tmp/bundle.tar -C /tmp/wheels
+  log "installing stock vLLM into /tmp/site-stock"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-stock /tmp/wheels/*.whl \
+    > "$results/pip-install.log" 2>&1 || { tail -20 "$results/pip-install.log"; exit 1; }
+  cp -a /tmp/site-stock /tmp/site-overlay
+  log "applying the overlay with our tool"
+  python3 "$repo/scripts/overlay.py" apply --site-packages /tmp/site-overlay --recipe sm90 \
+    2>&1 | tee "$results/overlay-apply.log"
+  cp /tmp/site-overlay/vllm_overlay_receipt.json "$results/"
+  (cd /tmp && PYTHONPATH=/tmp/site-overlay python3 "$repo/scripts/overlay.py" verify \
+    --site-packages /tmp/site-overlay) 2>&1 | tee "$results/overlay-verify.log"
+  python3 "$repo/scripts/make_tiny_model.py" /tmp/tiny-glm5 > /dev/null
+}
+
+probes() {
+  log "indexer probe: stock"
+  (cd /tmp && PYTHONPATH="/tmp/site-stock:$repo" python3 -m dsa_image.validation.indexer_probe \
+    --model /tmp/tiny-glm5 --out "$results/probe-stock.pt") > "$results/probe-stock.log" 2>&1
+  tail -5 "$results/probe-stock.log"
+  log "indexer probe: overlay"
+  (cd /tmp && PYTHONPATH="/tmp/site-overlay:$repo" python3 -m dsa_image.validation.indexer_probe \
+    --model /tmp/tiny-glm5 --out "$results/probe-overlay.pt" --overlay-checks) \
+    > "$results/probe-overlay.log" 2>&1
+  tail -5 "$results/probe-overlay.log"
+  (cd /tmp && PYTHONPATH="/tmp/site-overlay:$repo" python3 -m dsa_image.validation.compare \
+    "$results/probe-stock.pt" "$results/probe-overlay.pt" --json "$results/metadata-equivalence.json") \
+    2>&1 | tee "$results/metadata-equivalence.txt"
+}
+
+serve() {
+  log "serving equivalence (stock, stock, overlay) and the smoke test, side by side"
+  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving --model /tmp/tiny-glm5 \
+    --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay --out "$results/serving") \
+    > "$results/serving.log" 2>&1 &
+  equivalence=$!
+  sleep 20  # let the three servers take their memory first
+  (cd /tmp && python3 "$repo/scripts/smoke.py" --runtime local --python python3 \
+    --site-packages /tmp/site-overlay --target sm90 --out "$results/smoke" --quiet \
+    -- --enforce-eager --gpu-memory-utilization 0.12) > "$results/smoke.log" 2>&1
+  echo "smoke exit: $?" | tee -a "$results/smoke.log"
+  wait $equivalence
+  echo "serving exit: $?" | tee -a "$results/serving.log"
+  tail -40 "$results/serving.log"
+  tail -30 "$results/smoke.log"
+}
+
+collect() {
+  for f in metadata-equivalence.json metadata-equivalence.txt serving/serving-equivalence.json \
+           smoke/smoke-report.json environment.txt; do
+    [ -f "$results/$f" ] && cp "$results/$f" "$out/$phase-$(basename "$f")"
+  done
+  tar -czf "$out/$phase-results.tgz" -C "$results" --exclude='*.pt' . 2>/dev/null
+  tar -czf "$out/$phase-probes.tgz" -C "$results" $(cd "$results" && ls *.pt 2>/dev/null) 2>/dev/null
+  ls -la "$out"
+}
+
+case $phase in
+  install) environment; install; probes; collect ;;
+  serve) environment; serve; collect ;;
+  *) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
