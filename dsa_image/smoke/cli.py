@@ -94,7 +94,15 @@ def build_local(args, server_args, recipe, report: Report, echo):
 def build_docker(args, server_args, recipe, report: Report, echo):
     from dsa_image.smoke.docker_runtime import DockerServer
 
-    image_args = ([args.model] if args.model else []) + server_args
+    # The image serves its built-in model when given no arguments; with server arguments it
+    # serves the first one, so name the built-in model (and its dummy weights) explicitly.
+    if args.model:
+        image_args = [args.model, *server_args]
+    elif server_args:
+        image_args = [recipe.serving["default_model"], "--load-format", recipe.serving["default_load_format"],
+                      *server_args]
+    else:
+        image_args = []
     server = DockerServer(args.image, image_args, int(recipe.serving["port"]), args.network, not args.no_gpus,
                           args.out / LOG_NAME, echo)
     target = args.target or server.image_target()

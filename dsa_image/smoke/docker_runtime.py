@@ -21,12 +21,9 @@ from dsa_image.smoke.run import LogFollower, StartError
 
 SMOKE_LABEL = "dsa-image.smoke"
 RECEIPT_PATH = "/opt/dsa-image/receipt.json"
-# The image's own overlay tool against its own site-packages (both named by the image's env).
-VERIFY_ARGV = ["/bin/sh", "-c",
-               'exec /opt/venv/bin/python -B "$DSA_IMAGE_TOOL/scripts/overlay.py" verify '
-               '--site-packages "$DSA_IMAGE_SITE_PACKAGES"']
-VERIFY_COMMAND = "docker exec CONTAINER " + " ".join(VERIFY_ARGV[:2]) + " '" + VERIFY_ARGV[2] + "'"
-STOP_TIMEOUT_S = 30
+# The image's entrypoint offers `verify` (receipt hash + scripts/overlay.py verify against the
+# image's own site-packages): exec'd in the running container, it checks the code that serves.
+VERIFY_ARG = "verify"
 
 
 def image_env(image) -> dict[str, str]:
@@ -50,7 +47,7 @@ class DockerServer:
         self.container = None
         self.follower: LogFollower | None = None
         self.base_url = f"http://127.0.0.1:{port}"
-        self.verify_command = VERIFY_COMMAND
+        self.verify_command = f"docker exec CONTAINER <image entrypoint> {VERIFY_ARG}"
         self._final_log: str | None = None
 
     # -- start ---------------------------------------------------------------------------
@@ -78,6 +75,7 @@ class DockerServer:
 
     def start(self) -> None:
         image = self._image()
+        self.verify_command = "docker exec CONTAINER " + " ".join(self.verify_argv())
         options = dict(
             image=image.id, command=self.command or None, detach=True, name=f"dsa-smoke-{self.run_id}",
             labels={SMOKE_LABEL: self.run_id}, ipc_mode="host",  # vLLM's workers share memory
@@ -129,8 +127,12 @@ class DockerServer:
         code, output = self.container.exec_run(argv)
         return code, output.decode(errors="replace")
 
+    def verify_argv(self) -> list[str]:
+        entrypoint = self._image().attrs.get("Config", {}).get("Entrypoint") or []
+        return [*entrypoint, VERIFY_ARG]
+
     def run_verify(self) -> tuple[int, str]:
-        return self._exec(VERIFY_ARGV)
+        return self._exec(self.verify_argv())
 
     def receipt(self) -> dict | None:
         import json

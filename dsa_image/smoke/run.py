@@ -173,6 +173,7 @@ def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str |
         server.start()
     except StartError as e:
         report.checks.append(C.Check("server_healthy", False, f"the server did not start: {e}"))
+        server.describe(report)
         return
     client = Client(server.base_url, timeout_s=request_timeout_s)
     healthy = wait_healthy(server, client, health_timeout_s)

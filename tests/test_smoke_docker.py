@@ -1,0 +1,236 @@
+"""The Docker runtime: the container is removed on success, a refused start, an early exit, a
+timeout and Ctrl-C (proven on a fake Docker client, then on the real engine with the real
+image: in CI, without a GPU, the start-up failure is reported with the log, the run exits
+non-zero and no container is left behind). On a GPU host, the full smoke must pass."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_smoke_fakes import FakeServer, FakeVllm, free_port, startup_log  # noqa: E402
+
+docker = pytest.importorskip("docker", reason="the Docker SDK (`docker`) is in the dev lock")
+from docker.errors import APIError, NotFound  # noqa: E402
+
+from dsa_image.recipe import load_recipe  # noqa: E402
+from dsa_image.smoke import checks as C  # noqa: E402
+from dsa_image.smoke.docker_runtime import SMOKE_LABEL, DockerServer  # noqa: E402
+from dsa_image.smoke.expect import target_for_capability  # noqa: E402
+from dsa_image.smoke.gpu import capability_of, query_gpus  # noqa: E402
+from dsa_image.smoke.report import REPORT_NAME, Report  # noqa: E402
+from dsa_image.smoke.run import run_smoke  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SMOKE = REPO / "scripts" / "smoke.py"
+RECIPE = load_recipe()
+ENTRYPOINT = ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.entrypoint"]
+
+
+# --- a fake Docker SDK client: only what DockerServer uses ----------------------------------
+
+
+class FakeImage:
+    def __init__(self, port: int):
+        self.id = "sha256:" + "1" * 64
+        self.labels = {"dsa-image.target": "sm90", "dsa-image.vllm.version": "0.24.0", "maintainer": "x"}
+        self.attrs = {"Config": {"Env": [f"DSA_IMAGE_PORT={port}", "PATH=/usr/bin"], "Entrypoint": ENTRYPOINT},
+                      "RepoDigests": ["registry.example/dsa@sha256:" + "2" * 64], "Created": "2026-11-30"}
+
+
+class FakeContainer:
+    def __init__(self, options, behaviour):
+        self.options = options
+        self.name = options["name"]
+        self.behaviour = behaviour
+        self.status = "created"
+        self.removed = False
+        self.execs = []
+        self.polls = 0
+        self.attrs = {}
+
+    def start(self):
+        if self.behaviour.get("start_error"):
+            raise APIError("500 Server Error", explanation=self.behaviour["start_error"])
+        self.status = "running"
+        if self.behaviour.get("on_start"):
+            self.behaviour["on_start"]()
+
+    def reload(self):
+        if self.removed:
+            raise NotFound("gone")
+        self.polls += 1
+        exit_after = self.behaviour.get("exit_after_polls")
+        if self.status == "running" and exit_after is not None and self.polls > exit_after:
+            self.status = "exited"
+        self.attrs = {"State": {"Status": self.status, "ExitCode": 1 if self.status == "exited" else 0}}
+
+    def logs(self, stream=False, follow=False, **kw):
+        data = self.behaviour.get("log", "").encode()
+        return iter([data]) if stream else data
+
+    def exec_run(self, argv):
+        self.execs.append(argv)
+        if argv[-1] == "verify":
+            return 0, b"3 files match the receipt"
+        if argv[:1] == ["cat"]:
+            return 0, json.dumps({"schema": 1, "vllm_version": "0.24.0", "recipe": "glm5-dsa",
+                                  "manifest_sha256": "ab" * 32, "files": [{}]}).encode()
+        return 127, b"not found"
+
+    def remove(self, force=False):
+        assert force
+        self.removed = True
+
+
+class FakeClient:
+    def __init__(self, port, **behaviour):
+        self.image = FakeImage(port)
+        self.behaviour = behaviour
+        self.created: list[FakeContainer] = []
+        self.images = self
+        self.containers = self
+
+    def get(self, ref):
+        return self.image
+
+    def create(self, **options):
+        container = FakeContainer(options, self.behaviour)
+        self.created.append(container)
+        return container
+
+
+def fake_run(tmp_path, port, target="sm90", health_timeout=5.0, **behaviour):
+    client = FakeClient(port, **behaviour)
+    server = DockerServer("dsa-image:sm90", [], port, "host", True, tmp_path / "server.log", None, client=client)
+    server.gpu_info = lambda: {"gpus": [{"name": "NVIDIA H200", "compute_capability": "9.0",
+                                         "driver_version": "580"}], "source": "test"}
+    report = run_smoke(server, Report(runtime="docker", served_model_name="glm-5"), RECIPE, target, tmp_path,
+                       health_timeout, 10.0)
+    assert len(client.created) == 1 and client.created[0].removed, "the container was not removed"
+    return report, client.created[0], json.loads((tmp_path / REPORT_NAME).read_text())
+
+
+def test_fake_docker_good_run_passes_and_removes_the_container(tmp_path):
+    log = "\n".join(startup_log("FLASHMLA_SPARSE", "deepgemm"))
+    with FakeServer(FakeVllm()) as fake:
+        report, container, written = fake_run(tmp_path, fake.port, log=log)
+    assert written["passed"], written["checks"]
+    assert container.options["device_requests"][0]["Capabilities"] == [["gpu"]]
+    assert container.options["device_requests"][0]["Count"] == -1
+    assert container.options["labels"] == {SMOKE_LABEL: container.name.removeprefix("dsa-smoke-")}
+    assert container.options["network_mode"] == "host"
+    assert ENTRYPOINT + ["verify"] in container.execs  # the image's own verify, in the running container
+    assert written["image"]["id"] == "sha256:" + "1" * 64
+    assert written["image"]["repo_digests"] == ["registry.example/dsa@sha256:" + "2" * 64]
+    assert written["image"]["labels"] == {"dsa-image.target": "sm90", "dsa-image.vllm.version": "0.24.0"}
+    assert written["versions"]["receipt_vllm"] == "0.24.0"
+
+
+def test_fake_docker_refused_gpu_request_is_named_and_the_container_removed(tmp_path):
+    report, container, written = fake_run(
+        tmp_path, free_port(), start_error='could not select device driver "" with capabilities: [[gpu]]')
+    reason = written["checks"][0]["reason"]
+    assert "could not select device driver" in reason and "NVIDIA container toolkit" in reason
+    assert written["passed"] is False and written["image"]["id"].startswith("sha256:")
+
+
+def test_fake_docker_early_exit_is_named_and_the_container_removed(tmp_path):
+    report, container, written = fake_run(tmp_path, free_port(), exit_after_polls=1,
+                                          log="RuntimeError: Failed to infer device type\n")
+    assert "exited with code 1" in written["checks"][0]["reason"]
+    assert "Failed to infer device type" in written["log_tail"]
+
+
+def test_fake_docker_timeout_removes_the_container(tmp_path):
+    report, container, written = fake_run(tmp_path, free_port(), health_timeout=1.0)
+    assert "did not answer 200 within 1 s" in written["checks"][0]["reason"]
+
+
+def test_fake_docker_ctrl_c_removes_the_container(tmp_path):
+    def interrupt():
+        raise KeyboardInterrupt
+
+    report, container, written = fake_run(tmp_path, free_port(), on_start=interrupt)
+    assert written["interrupted"] is True
+
+
+# --- the real engine and the real image -----------------------------------------------------
+
+
+def smoke_containers(client) -> list[str]:
+    return [c.name for c in client.containers.list(all=True, filters={"label": SMOKE_LABEL})]
+
+
+def run_smoke_cli(image: str, out: Path, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    argv = [sys.executable, str(SMOKE), "--runtime", "docker", "--image", image, "--out", str(out), *extra]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=out.parent)
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_real_image_without_a_gpu_fails_cleanly(docker_client, runtime_image, tmp_path):
+    """CI has Docker and no GPU: the GPU request is refused (or, where the NVIDIA runtime exists,
+    the server exits); the report names it, the run exits 1, and no container is left."""
+    if query_gpus().get("gpus"):
+        pytest.skip("this host has a GPU: the full smoke runs in test_real_image_on_a_gpu")
+    before = smoke_containers(docker_client)
+    done = run_smoke_cli(runtime_image, tmp_path / "out", "--health-timeout", "600")
+    report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
+    assert done.returncode == 1, done.stderr[-3000:]
+    first = report["checks"][0]
+    assert first["name"] == "server_healthy" and not first["passed"]
+    assert "did not start" in first["reason"] or "exited with code" in first["reason"], first["reason"]
+    assert report["image"]["labels"]["dsa-image.target"] == "sm120"
+    assert (tmp_path / "out" / "server.log").exists() and report["log_tail"] is not None
+    assert "FAIL server_healthy" in done.stderr
+    assert smoke_containers(docker_client) == before
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_real_image_without_a_gpu_request_exits_early_with_its_log(docker_client, runtime_image, tmp_path):
+    """Started without a GPU request, the real server starts and dies: the exit code and the
+    log's tail are in the report, and the container is gone."""
+    if query_gpus().get("gpus"):
+        pytest.skip("this host has a GPU")
+    before = smoke_containers(docker_client)
+    done = run_smoke_cli(runtime_image, tmp_path / "out", "--no-gpus", "--health-timeout", "600")
+    report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
+    assert done.returncode == 1, done.stderr[-3000:]
+    reason = report["checks"][0]["reason"]
+    assert "exited with code" in reason, reason
+    log = (tmp_path / "out" / "server.log").read_text()
+    assert "dsa-image sm120: no arguments given, so serving the built-in tiny GLM-5" in log
+    assert log.strip() and log.strip()[-200:] in report["log_tail"]
+    assert smoke_containers(docker_client) == before
+
+
+@pytest.mark.docker
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_real_image_on_a_gpu(docker_client, gpu, request, bake_options, tmp_path):
+    """On a GPU runner: the image of the GPU's target passes every check."""
+    from dsa_image import image_build
+
+    capability = capability_of(query_gpus())
+    if capability is None:
+        pytest.skip("nvidia-smi does not report one compute capability for the GPUs")
+    target = target_for_capability(RECIPE, capability).id
+    if target == "sm120":
+        image = request.getfixturevalue("runtime_image")
+    else:
+        image = image_build.bake(REPO, target, bake_options).tags[0]
+    before = smoke_containers(docker_client)
+    done = run_smoke_cli(image, tmp_path / "out", "--health-timeout", "900", timeout=1800)
+    report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
+    assert done.returncode == 0, {c["name"]: c["reason"] for c in report["checks"] if not c["passed"]}
+    assert [c["name"] for c in report["checks"]] == list(C.ALL_CHECKS)
+    assert smoke_containers(docker_client) == before
