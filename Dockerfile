@@ -1,0 +1,210 @@
+# vLLM for GLM-5.x sparse attention (DSA), one image per GPU family.
+#
+# Build with bake, which passes every pin below from the recipe (docker-bake.json is
+# generated from recipes/glm5-dsa.toml; docker-bake.hcl holds the targets):
+#
+#     docker buildx bake sm120          # or sm100, sm90; `test` runs the in-image tests
+#
+# This file holds no pins: an ARG without a value fails the build with a message.
+# No `# syntax=` line on purpose: it makes BuildKit pull its frontend from Docker Hub; the
+# built-in frontend already has RUN --mount (cache, secret, bind).
+#
+# Stages, each named for what it produces, heaviest and least often changed first, so a
+# one-line overlay edit rebuilds only `overlay` and what follows it:
+#
+#   base        Debian + Python + a host compiler (nvcc needs one), a venv
+#   deps        the hash-locked vLLM environment incl. pip's CUDA 13.0 toolkit (CUDA_HOME)
+#   extras      the target's extra lock (sm120: b12x); toolchain and SASS proven for its GPUs
+#   tiny-model  the built-in dummy-weight GLM-5 (config + tokenizer)
+#   overlay     our files over vLLM (scripts/overlay.py apply, fail closed) + the receipt
+#   test        overlay verify + CPU tests against the installed vLLM (bake target `test`)
+#   runtime     non-root, labels, healthcheck, entrypoint (the default target)
+#
+# Behind a TLS-intercepting proxy hand pip a CA bundle as a BuildKit secret (bake:
+# PIP_CA=/path/to/bundle.pem); it is mounted for the pip steps only, never in a layer.
+
+ARG BASE_IMAGE
+
+# ---------------------------------------------------------------------------------------------
+FROM ${BASE_IMAGE} AS base
+ARG BASE_IMAGE
+ARG PYTHON_VERSION
+SHELL ["/bin/bash", "-o", "pipefail", "-euc"]
+ENV DEBIAN_FRONTEND=noninteractive \
+    LANG=C.UTF-8 \
+    VIRTUAL_ENV=/opt/venv \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
+    PIP_NO_INPUT=1
+# g++: nvcc needs a host compiler, and DeepGEMM / FlashInfer / Triton compile at run time.
+# pythonX.Y-dev: Triton builds its launcher against Python.h at run time.
+RUN if [[ -z "${PYTHON_VERSION}" ]]; then \
+        echo "PYTHON_VERSION is empty: build with 'docker buildx bake' (it passes the recipe's pins)" >&2; exit 1; fi; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends ca-certificates g++ \
+        "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-dev" "python${PYTHON_VERSION}-venv"; \
+    rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/log/apt /var/log/dpkg.log; \
+    "python${PYTHON_VERSION}" -m venv /opt/venv
+ENV PATH=/opt/venv/bin:${PATH}
+
+# ---------------------------------------------------------------------------------------------
+# The pins this target builds from, picked by name: the common lock, the target's extras lock
+# and the recipe. Later steps mount them from here, so their cache keys follow these files'
+# contents only, not the rest of recipes/. (Docker 20.10's built-in frontend does not expand
+# ARGs in a bind mount's source, hence a stage rather than a mount per file.)
+FROM base AS pins
+ARG TARGETARCH
+ARG EXTRAS_LOCK
+ARG RECIPE
+RUN --mount=type=bind,source=recipes,target=/tmp/dsa-image/recipes \
+    mkdir -p /pins/recipes; \
+    cp "/tmp/dsa-image/recipes/locks/vllm-${TARGETARCH}.txt" /pins/vllm.txt; \
+    if [[ -n "${EXTRAS_LOCK}" ]]; then cp "/tmp/dsa-image/recipes/locks/${EXTRAS_LOCK}-${TARGETARCH}.txt" /pins/extras.txt; \
+    else : > /pins/extras.txt; fi; \
+    cp "/tmp/dsa-image/recipes/${RECIPE}.toml" /pins/recipes/
+
+# ---------------------------------------------------------------------------------------------
+FROM base AS deps
+ARG TARGETARCH
+ARG PYTHON_VERSION
+# The whole CUDA toolkit comes from the pinned pip packages (13.0 series, one tree).
+ENV CUDA_HOME=/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13
+ENV PATH=${CUDA_HOME}/bin:${PATH}
+# One hash-locked set, common to all targets: only this file (bind-mounted, so it is not in a
+# layer) decides whether this step re-runs. pip's cache lives in a BuildKit cache mount.
+RUN --mount=type=bind,from=pins,source=/pins/vllm.txt,target=/tmp/dsa-image/vllm.lock \
+    --mount=type=cache,id=dsa-image-pip,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=pip-ca \
+    if [[ -f /run/secrets/pip-ca ]]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    pip install --require-hashes --no-deps --index-url https://pypi.org/simple -r /tmp/dsa-image/vllm.lock; \
+    pip check
+# The three links FlashInfer's JIT expects of a classic toolkit (docs/image.md). libcuda.so.1
+# is the driver's: the NVIDIA container runtime mounts it at run time, so this one dangles here.
+RUN for f in bin/nvcc lib/libcudart.so.13 include/cuda_runtime.h include/curand.h; do \
+        [[ -e "${CUDA_HOME}/$f" ]] || { echo "pip's CUDA toolkit lacks ${CUDA_HOME}/$f; check the [cuda] pins in the recipe and its lock" >&2; exit 1; }; done; \
+    ln -s lib "${CUDA_HOME}/lib64"; \
+    ln -s libcudart.so.13 "${CUDA_HOME}/lib/libcudart.so"; \
+    mkdir -p "${CUDA_HOME}/lib/stubs"; \
+    ln -s "/usr/lib/$(gcc -dumpmachine)/libcuda.so.1" "${CUDA_HOME}/lib/stubs/libcuda.so"
+
+# ---------------------------------------------------------------------------------------------
+FROM deps AS extras
+ARG TARGETARCH
+ARG TARGETPLATFORM
+ARG PYTHON_VERSION
+ARG TARGET
+ARG PLATFORMS
+ARG CUDA_ARCH_LIST
+ARG VLLM_VERSION
+ARG RECIPE
+RUN if [[ -z "${TARGET}" || -z "${CUDA_ARCH_LIST}" || -z "${VLLM_VERSION}" || -z "${PLATFORMS}" ]]; then \
+        echo "TARGET/CUDA_ARCH_LIST/VLLM_VERSION/PLATFORMS empty: build with 'docker buildx bake ${TARGET:-sm120}'" >&2; exit 1; fi; \
+    if [[ ",${PLATFORMS}," != *",${TARGETPLATFORM},"* ]]; then \
+        echo "target ${TARGET} is built for ${PLATFORMS} (recipe), not ${TARGETPLATFORM}" >&2; exit 1; fi; \
+    found="$(python -c 'import importlib.metadata as m; print(m.version("vllm"))')"; \
+    [[ "${found}" == "${VLLM_VERSION}" ]] || { echo "the lock installed vLLM ${found}; the recipe pins ${VLLM_VERSION}: re-run scripts/recipe.py lock" >&2; exit 1; }
+# The target's extras: a superset lock with identical pins, so pip only adds what is missing.
+# pip check then accepts exactly the conflicts the recipe overrides (b12x's torch floor).
+RUN --mount=type=bind,from=pins,source=/pins,target=/tmp/dsa-image/pins \
+    --mount=type=bind,source=dsa_image/__init__.py,target=/tmp/dsa-image/tool/dsa_image/__init__.py \
+    --mount=type=bind,source=dsa_image/recipe.py,target=/tmp/dsa-image/tool/dsa_image/recipe.py \
+    --mount=type=bind,source=dsa_image/pip_check.py,target=/tmp/dsa-image/tool/dsa_image/pip_check.py \
+    --mount=type=bind,source=scripts/pip_check.py,target=/tmp/dsa-image/tool/scripts/pip_check.py \
+    --mount=type=cache,id=dsa-image-pip,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=pip-ca \
+    if [[ -s /tmp/dsa-image/pins/extras.txt ]]; then \
+        if [[ -f /run/secrets/pip-ca ]]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+        pip install --require-hashes --no-deps --index-url https://pypi.org/simple -r /tmp/dsa-image/pins/extras.txt; \
+    else echo "target ${TARGET}: no extras"; fi; \
+    python -B /tmp/dsa-image/tool/scripts/pip_check.py --recipe "${RECIPE}" --target "${TARGET}" \
+        --recipes-dir /tmp/dsa-image/pins/recipes
+# Proof, without a GPU, that this image runs on its GPUs: nvcc builds a CUDA library for each
+# target capability, and vLLM's compiled extensions carry SASS/PTX for them.
+RUN --mount=type=bind,source=dsa_image/__init__.py,target=/tmp/dsa-image/tool/dsa_image/__init__.py \
+    --mount=type=bind,source=dsa_image/arch_check.py,target=/tmp/dsa-image/tool/dsa_image/arch_check.py \
+    --mount=type=bind,source=scripts/arch_check.py,target=/tmp/dsa-image/tool/scripts/arch_check.py \
+    python -B /tmp/dsa-image/tool/scripts/arch_check.py toolchain --cuda-arch "${CUDA_ARCH_LIST}"; \
+    python -B /tmp/dsa-image/tool/scripts/arch_check.py extensions --cuda-arch "${CUDA_ARCH_LIST}" \
+        --site-packages "/opt/venv/lib/python${PYTHON_VERSION}/site-packages"
+
+# ---------------------------------------------------------------------------------------------
+FROM base AS tiny-model
+COPY dsa_image/__init__.py dsa_image/tiny_model.py /tmp/dsa-image/tool/dsa_image/
+COPY scripts/make_tiny_model.py /tmp/dsa-image/tool/scripts/
+RUN python -B /tmp/dsa-image/tool/scripts/make_tiny_model.py /tiny-glm5
+
+# ---------------------------------------------------------------------------------------------
+FROM extras AS overlay
+ARG PYTHON_VERSION
+ARG TARGET
+ARG RECIPE
+ENV DSA_IMAGE_TOOL=/opt/dsa-image/tool \
+    DSA_IMAGE_SITE_PACKAGES=/opt/venv/lib/python${PYTHON_VERSION}/site-packages
+# Only what apply/verify and the entrypoint need: a change anywhere else in the repository
+# leaves this stage cached.
+COPY dsa_image/ ${DSA_IMAGE_TOOL}/dsa_image/
+COPY scripts/overlay.py scripts/recipe.py ${DSA_IMAGE_TOOL}/scripts/
+COPY recipes/${RECIPE}.toml ${DSA_IMAGE_TOOL}/recipes/
+COPY overlay/ ${DSA_IMAGE_TOOL}/overlay/
+RUN python -B "${DSA_IMAGE_TOOL}/scripts/overlay.py" apply --site-packages "${DSA_IMAGE_SITE_PACKAGES}" --recipe "${RECIPE}"; \
+    cp "${DSA_IMAGE_SITE_PACKAGES}/vllm_overlay_receipt.json" /opt/dsa-image/receipt.json; \
+    (cd /opt/dsa-image && sha256sum receipt.json > receipt.json.sha256); \
+    chmod -R a-w /opt/dsa-image/receipt.json /opt/dsa-image/receipt.json.sha256
+
+# ---------------------------------------------------------------------------------------------
+FROM overlay AS test
+COPY pyproject.toml ${DSA_IMAGE_TOOL}/
+COPY tests/ ${DSA_IMAGE_TOOL}/tests/
+# pytest and friends from the dev lock go to their own directory, appended to sys.path after
+# site-packages (a .pth file), so they can never replace a package vLLM was locked with.
+RUN --mount=type=bind,source=recipes/locks/dev.txt,target=/tmp/dsa-image/dev.lock \
+    --mount=type=cache,id=dsa-image-pip,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=pip-ca \
+    if [[ -f /run/secrets/pip-ca ]]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    pip install --require-hashes --no-deps --index-url https://pypi.org/simple \
+        --target /opt/dsa-image/test-libs -r /tmp/dsa-image/dev.lock; \
+    echo /opt/dsa-image/test-libs > "${DSA_IMAGE_SITE_PACKAGES}/zz_dsa_image_test_libs.pth"
+WORKDIR ${DSA_IMAGE_TOOL}
+RUN python -B scripts/overlay.py verify --site-packages "${DSA_IMAGE_SITE_PACKAGES}"; \
+    DSA_IMAGE_IN_IMAGE=1 python -B -m pytest -p no:cacheprovider -m "not docker and not gpu and not wheel" tests
+
+# ---------------------------------------------------------------------------------------------
+FROM overlay AS runtime
+ARG BASE_IMAGE
+ARG TARGET
+ARG RECIPE
+ARG VLLM_VERSION
+ARG CUDA_ARCH_LIST
+ARG DEFAULT_MODEL
+ARG PORT
+RUN [[ -n "${DEFAULT_MODEL}" && -n "${PORT}" ]] || { echo "DEFAULT_MODEL/PORT empty: build with 'docker buildx bake'" >&2; exit 1; }; \
+    useradd --create-home --home-dir /home/vllm --uid 1000 --user-group --shell /usr/sbin/nologin vllm; \
+    install -d -o vllm -g vllm /home/vllm/.cache /home/vllm/.cache/deep_gemm /home/vllm/.cache/triton
+COPY --from=tiny-model /tiny-glm5 ${DEFAULT_MODEL}
+# Run-time JIT caches (DeepGEMM, FlashInfer under ~/.cache, Triton, vLLM) in the user's home.
+ENV HOME=/home/vllm \
+    XDG_CACHE_HOME=/home/vllm/.cache \
+    DG_JIT_CACHE_DIR=/home/vllm/.cache/deep_gemm \
+    TRITON_CACHE_DIR=/home/vllm/.cache/triton \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    DSA_IMAGE_RECIPE=${RECIPE} \
+    DSA_IMAGE_TARGET=${TARGET} \
+    DSA_IMAGE_PORT=${PORT}
+USER vllm
+WORKDIR /home/vllm
+EXPOSE ${PORT}
+# The tiny model is healthy after ~3 minutes on an H200; real models take longer.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
+    CMD ["/opt/venv/bin/python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ['DSA_IMAGE_PORT'], timeout=8)"]
+ENTRYPOINT ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.entrypoint"]
+CMD []
+LABEL org.opencontainers.image.title="dsa-image-${TARGET}" \
+      org.opencontainers.image.description="vLLM ${VLLM_VERSION} with the GLM-5.x DSA indexer overlay, for CUDA capabilities ${CUDA_ARCH_LIST}" \
+      org.opencontainers.image.version="${VLLM_VERSION}-${TARGET}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}" \
+      dsa-image.recipe="${RECIPE}" \
+      dsa-image.target="${TARGET}" \
+      dsa-image.cuda-arch="${CUDA_ARCH_LIST}" \
+      dsa-image.vllm.version="${VLLM_VERSION}" \
+      dsa-image.receipt="/opt/dsa-image/receipt.json"

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Make a local Debian bookworm base image with debootstrap + `docker import`.
+#
+# Why: CI machines reach Debian and PyPI but no container registry, so the recipe's base
+# (docker.io/library/debian:bookworm-slim) cannot be pulled there. A minbase bootstrap of the
+# same release is the closest local stand-in: every layer above it is the one we ship.
+#
+# Usage: scripts/bootstrap_base_image.sh [IMAGE_NAME]   (default dsa-image-base:bookworm)
+# Idempotent: does nothing when IMAGE_NAME already exists. Exit 0 on success, 1 on failure.
+set -euo pipefail
+
+image="${1:-dsa-image-base:bookworm}"
+suite="bookworm"
+mirror="http://deb.debian.org/debian"
+
+if docker image inspect "$image" >/dev/null 2>&1; then
+    echo "bootstrap_base_image: $image already exists, keeping it"
+    exit 0
+fi
+command -v debootstrap >/dev/null || {
+    echo "bootstrap_base_image: debootstrap not found; install it: apt-get install -y debootstrap" >&2
+    exit 1
+}
+
+rootfs="$(mktemp -d /tmp/dsa-image-rootfs.XXXXXX)"
+trap 'rm -rf "$rootfs"' EXIT
+# minbase without extra packages: like debian:bookworm-slim, the Dockerfile installs Python itself.
+debootstrap --variant=minbase "$suite" "$rootfs" "$mirror"
+# Like the official slim image: no apt lists or caches in the layer.
+rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin
+tar -C "$rootfs" -c . | docker import -c 'CMD ["bash"]' -m "debootstrap --variant=minbase $suite $mirror" - "$image"
+echo "bootstrap_base_image: made $image"

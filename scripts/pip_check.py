@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""`pip check` for an image target, accepting only the conflicts its recipe overrides.
+
+  pip_check.py --target sm120 [--recipe glm5-dsa] [--recipes-dir DIR]
+
+Exit codes: 0 nothing but recorded overrides; 1 other broken requirements (listed); 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dsa_image import pip_check  # noqa: E402
+from dsa_image.recipe import DEFAULT_RECIPE, RECIPES_DIR, RecipeError, load_recipe  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE)
+    parser.add_argument("--recipes-dir", type=Path, default=RECIPES_DIR)
+    args = parser.parse_args(argv)
+    try:
+        target = load_recipe(args.recipe, args.recipes_dir).target(args.target)
+    except RecipeError as exc:
+        print(f"pip_check: {exc}", file=sys.stderr)
+        return 2
+    output = pip_check.run_pip_check()
+    found = pip_check.problems(output, target)
+    if found:
+        print("pip_check: broken requirements the recipe does not override:\n  " + "\n  ".join(found), file=sys.stderr)
+        return 1
+    accepted = [str(c) for c in pip_check.parse_conflicts(output)[0]]
+    print("pip_check: ok" + (f" (recipe overrides: {'; '.join(accepted)})" if accepted else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Shared fixtures: a Docker engine with buildx, the base image, the built images, a GPU.
+
+Docker-marked tests skip when there is no engine or no buildx, with the reason; with
+DSA_IMAGE_REQUIRE_DOCKER=1 (CI) they fail instead, so a broken engine cannot pass as a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Tests import dsa_image from this checkout whichever way pytest was started (`pytest`,
+# `python -m pytest`, from another directory, inside the image).
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from dsa_image import image_build  # noqa: E402
+from dsa_image.recipe import load_recipe  # noqa: E402
+
+
+def _require_docker() -> bool:
+    return os.environ.get("DSA_IMAGE_REQUIRE_DOCKER") == "1"
+
+
+def _unavailable(reason: str):
+    if _require_docker():
+        pytest.fail(f"{reason} (DSA_IMAGE_REQUIRE_DOCKER=1: a missing engine is a failure, not a skip)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    """A Docker SDK client for an engine that answers and has buildx."""
+    try:
+        import docker
+    except ImportError:
+        _unavailable("the Docker SDK (pip package `docker`) is not installed; run python3 scripts/test.py")
+    try:
+        client = docker.from_env()
+        client.ping()
+    except Exception as exc:  # the SDK raises several types for "no engine"
+        _unavailable(f"no Docker engine answers ({exc})")
+    problem = image_build.buildx_problem()
+    if problem:
+        _unavailable(problem)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def base_image() -> str:
+    """The base image to build on: DSA_IMAGE_BASE_IMAGE (CI: a local debootstrap import, since
+    no registry is reachable there) or the recipe's."""
+    return os.environ.get("DSA_IMAGE_BASE_IMAGE") or load_recipe().base_ref
+
+
+@pytest.fixture(scope="session")
+def bake_options(base_image) -> image_build.BakeOptions:
+    return image_build.BakeOptions.for_this_machine(base_image=base_image, log_dir=REPO_ROOT / "build" / "logs")
+
+
+@pytest.fixture(scope="session")
+def test_stage_build(docker_client, bake_options) -> image_build.BuildResult:
+    """Build the `test` target (overlay verify + CPU tests inside the image); fail with the
+    build log's tail when it fails."""
+    return bake_or_fail("test", bake_options)
+
+
+@pytest.fixture(scope="session")
+def runtime_image(docker_client, bake_options) -> str:
+    """Build the sm120 runtime image once per session (loaded into the engine); its tag."""
+    result = bake_or_fail("sm120", bake_options)
+    return result.tags[0]
+
+
+def bake_or_fail(target: str, options: image_build.BakeOptions, sets: list[str] = (),
+                 repo: Path = REPO_ROOT) -> image_build.BuildResult:
+    """Build a bake target; a failed build fails the test with the log's tail."""
+    try:
+        return image_build.bake(repo, target, options, sets)
+    except (image_build.BuildError, subprocess.TimeoutExpired) as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def _has_nvidia_gpu() -> bool:
+    if not shutil.which("nvidia-smi"):
+        return False
+    done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return done.returncode == 0 and "GPU" in done.stdout
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    """Skip (with the reason) unless an NVIDIA GPU is visible."""
+    if not _has_nvidia_gpu():
+        pytest.skip("no NVIDIA GPU (nvidia-smi -L lists none)")

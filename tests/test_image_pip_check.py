@@ -1,0 +1,40 @@
+"""dsa_image.pip_check: only the recipe's recorded override passes."""
+
+from __future__ import annotations
+
+from dsa_image import pip_check
+from dsa_image.recipe import load_recipe
+
+RECIPE = load_recipe()
+
+
+def _override_line(target_id: str) -> str:
+    """The line pip check prints for the recipe's own override (b12x's torch floor)."""
+    extra = next(e for e in RECIPE.target(target_id).extras if e.overrides)
+    name, version = extra.overrides[0].split("==")
+    return f"{extra.name} {extra.version} has requirement {name}>=99.0, but you have {name} {version}."
+
+
+def test_the_recipes_override_is_accepted_for_its_target_only():
+    line = _override_line("sm120")
+    assert pip_check.problems(line, RECIPE.target("sm120")) == []
+    assert pip_check.problems(line, RECIPE.target("sm90")) != []  # sm90 has no b12x
+
+
+def test_a_different_installed_version_is_not_the_override():
+    extra = next(e for e in RECIPE.target("sm120").extras if e.overrides)
+    name, _ = extra.overrides[0].split("==")
+    line = f"{extra.name} {extra.version} has requirement {name}>=99.0, but you have {name} 0.0.1."
+    assert pip_check.problems(line, RECIPE.target("sm120")) == [f"{extra.name} requires {name}>=99.0, installed {name}==0.0.1"]
+
+
+def test_other_conflicts_and_missing_packages_fail():
+    output = ("vllm 0.24.0 has requirement torch==2.11.0, but you have torch 2.12.0.\n"
+              "vllm 0.24.0 requires numba, which is not installed.\n")
+    found = pip_check.problems(output, RECIPE.target("sm120"))
+    assert found == ["vllm 0.24.0 requires numba, which is not installed.",
+                     "vllm requires torch==2.11.0, installed torch==2.12.0"]
+
+
+def test_clean_output_has_no_problems():
+    assert pip_check.problems("No broken requirements found.\n", RECIPE.target("sm100")) == []
