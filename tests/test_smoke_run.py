@@ -183,9 +183,16 @@ def fake_env(tmp_path, monkeypatch):
     return site, files
 
 
+# The local runtime must work where neither the Docker SDK nor requests is installed.
+WITHOUT_DOCKER_OR_REQUESTS = (
+    "import runpy, sys; sys.modules.update(docker=None, requests=None); "
+    "script = sys.argv.pop(1); sys.argv[0] = script; runpy.run_path(script, run_name='__main__')"
+)
+
+
 def run_local(tmp_path, site, *extra, timeout=120, **popen) -> subprocess.Popen:
     port = free_port()
-    argv = [sys.executable, str(SMOKE), "--runtime", "local", "--python", sys.executable,
+    argv = [sys.executable, "-c", WITHOUT_DOCKER_OR_REQUESTS, str(SMOKE), "--runtime", "local", "--python", sys.executable,
             "--site-packages", str(site), "--target", "sm90", "--port", str(port),
             "--out", str(tmp_path / "out"), "--health-timeout", "60", *extra]
     # From another directory: the script must not depend on the cwd.

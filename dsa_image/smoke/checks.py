@@ -202,6 +202,8 @@ class Completions:
                 chunk = json.loads(event)
                 if "error" in chunk:
                     raise CheckFailed(f"stream carried an error: {event[:300]}")
+                if not chunk.get("choices") and "usage" in chunk:
+                    continue  # the usage chunk (--enable-force-include-usage) has no choices
                 choice = _first_choice(chunk, "stream chunk")
                 text += choice.get("text") or ""
                 token_ids += choice.get("token_ids") or []
