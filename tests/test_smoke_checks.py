@@ -39,6 +39,10 @@ def test_a_good_server_passes_every_http_check():
     assert results["stream"].details["token_ids"] == results["completion_short"].details["token_ids"]
 
 
+def test_a_usage_only_stream_chunk_is_no_failure():
+    assert failed(run_all({"usage_chunk"})) == set()
+
+
 def test_the_long_prompt_is_over_index_topk_and_sent_as_token_ids():
     state = FakeVllm()
     with FakeServer(state) as server:

@@ -31,6 +31,7 @@ FAULTS = {
     "wrong_model",         # /v1/models lists another name
     "no_tokenize",         # /tokenize answers 404
     "http_500",            # /v1/completions answers 500
+    "usage_chunk",         # not a fault: the stream ends with a usage-only chunk before [DONE]
 }
 
 # What vLLM 0.24.0 + the overlay log at start-up, for the attention and indexer backends.
@@ -140,6 +141,9 @@ def make_handler(state: FakeVllm):
                 piece = "" if "empty_text" in state.faults else f" w{token}"
                 chunk = {"choices": [{"index": 0, "text": piece, "token_ids": [token]}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if "usage_chunk" in state.faults:
+                usage = {"choices": [], "usage": {"completion_tokens": len(out["ids"])}}
+                self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
             if "no_done" not in state.faults:
                 self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
