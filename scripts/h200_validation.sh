@@ -38,14 +38,14 @@ environment() {
 install() {
   log "reassembling wheels"
   mkdir -p /tmp/wheels
-  (cd /tmp/stage && cat bundle.tar.part* > /tmp/bundle.tar && sha256sum -c SHA256SUMS) || exit 1
-  tar -xf /tmp/bundle.tar -C /tmp/wheels
+  (cd /tmp/stage && cat bundle.tar.part* > bundle.tar && sha256sum -c SHA256SUMS) || exit 1
+  tar -xf /tmp/stage/bundle.tar -C /tmp/wheels
   log "installing stock vLLM into /tmp/site-stock"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-stock /tmp/wheels/*.whl \
     > "$results/pip-install.log" 2>&1 || { tail -20 "$results/pip-install.log"; exit 1; }
   cp -a /tmp/site-stock /tmp/site-overlay
   log "applying the overlay with our tool"
-  python3 "$repo/scripts/overlay.py" apply --site-packages /tmp/site-overlay --recipe sm90 \
+  python3 "$repo/scripts/overlay.py" apply --site-packages /tmp/site-overlay \
     2>&1 | tee "$results/overlay-apply.log"
   cp /tmp/site-overlay/vllm_overlay_receipt.json "$results/"
   (cd /tmp && PYTHONPATH=/tmp/site-overlay python3 "$repo/scripts/overlay.py" verify \

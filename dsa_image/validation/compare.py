@@ -76,10 +76,15 @@ def compare_runs(stock: dict, ours: dict) -> dict:
             "host_us_overlay": round(ov["host_us"], 1),
             "host_ratio": round(ov["host_us"] / st["host_us"], 3),
         })
+    # The overlay run must really have run the overlay (its metadata carries
+    # fields stock has not), or "equal" would compare stock with itself.
+    overlay_ran = all("use_b12x" in ov["tensors"] for ov in ours["scenarios"].values())
     checks = {k: ours.get(k) for k in ("block_table_growth", "b12x", "dcp")}
+    checks["overlay_code_ran"] = overlay_ran
     checks["block_table_growth_stock"] = stock.get("block_table_growth")
     ok = (
-        all(r["equal"] and r["syncs_overlay"] == 0 for r in rows)
+        overlay_ran
+        and all(r["equal"] and r["syncs_overlay"] == 0 for r in rows)
         and _overlay_checks_pass(checks)
     )
     return {"ok": ok, "scenarios": rows, "checks": checks,

@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import time
 import types
@@ -31,7 +30,7 @@ MAX_MODEL_LEN = 8192
 MAX_NUM_BATCHED_TOKENS = 16384
 NUM_BLOCKS = 4096
 SEED = 1234
-HOST_TIME_REPEATS = 200
+HOST_TIME_REPEATS = 100
 
 
 def _torch():
@@ -139,8 +138,8 @@ def flatten_metadata(md) -> dict:
     return out
 
 
-def count_syncs(fn) -> int:
-    """Synchronising CUDA calls torch reports while ``fn`` runs."""
+def count_syncs(fn) -> tuple[int, list[str]]:
+    """Synchronising CUDA calls torch reports while ``fn`` runs, and where."""
     torch = _torch()
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -150,21 +149,24 @@ def count_syncs(fn) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return len(syncs), [f"{w.filename}:{w.lineno}: {w.message}"[:300] for w in syncs[:3]]
 
 
-def host_time_us(fn, repeats: int = HOST_TIME_REPEATS) -> float:
-    """Median host (CPU) time of one call, launches left asynchronous."""
+def host_time_us(fn, repeats: int = HOST_TIME_REPEATS, rounds: int = 9) -> float:
+    """Host (CPU) time of one call, launches left asynchronous: the fastest of
+    ``rounds`` rounds, each the mean of ``repeats`` calls (the minimum is the
+    estimate least disturbed by other work on the machine)."""
     torch = _torch()
     samples = []
-    for _ in range(5):
+    for _ in range(rounds):
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(repeats):
             fn()
         samples.append((time.perf_counter() - start) / repeats * 1e6)
         torch.cuda.synchronize()
-    return statistics.median(samples)
+    return min(samples)
 
 
 def run_scenarios(model_dir: str) -> dict:
@@ -182,13 +184,15 @@ def run_scenarios(model_dir: str) -> dict:
             build()  # first build: JIT and allocator warm-up stay out of the counts
             md = build()
             torch.cuda.synchronize()
+            syncs, sync_sites = count_syncs(build)
             results[spec.name] = {
                 "next_n": next_n,
                 "use_flattening": bool(builder.use_flattening),
                 "runner_block_table_width": runner_width,
                 "expanded_block_table_width": int(width),
                 "true_decode_max_seq_len": _true_decode_max(spec, md),
-                "syncs": count_syncs(build),
+                "syncs": syncs,
+                "sync_sites": sync_sites,
                 "host_us": host_time_us(build),
                 "tensors": flatten_metadata(md),
             }
@@ -262,7 +266,9 @@ def check_b12x_path(model_dir: str) -> dict:
                 build = lambda: builder.build(0, cm)  # noqa: E731
                 md = build()
                 torch.cuda.synchronize()
-                entry = {"syncs": count_syncs(build), "host_us": host_time_us(build, 50),
+                syncs, sync_sites = count_syncs(build)
+                entry = {"syncs": syncs, "sync_sites": sync_sites,
+                         "host_us": host_time_us(build, 50, 3),
                          "chunks": len(md.prefill.chunks) if md.prefill else 0}
                 if md.decode is not None:
                     entry["active_width"] = int(md.decode.active_width.item())

@@ -659,11 +659,11 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         host_seq_lens = common_attn_metadata._seq_lens_cpu
         if host_seq_lens is None:
             host_seq_lens = common_attn_metadata.seq_lens_cpu_upper_bound
-        if host_seq_lens is not None and host_seq_lens.device.type == "cpu":
-            decode_lens = host_seq_lens[:num_decodes].numpy()
-            longest = int(decode_lens.max()) if decode_lens.size else 0
-        else:
+        if num_decodes == common_attn_metadata.num_reqs or host_seq_lens is None:
+            # All decodes: the runner's host-side batch maximum is theirs.
             longest = int(common_attn_metadata.max_seq_len)
+        else:
+            longest = int(host_seq_lens[:num_decodes].numpy().max())
         longest //= self.compress_ratio
         if use_dcp_local_kv:
             # Rank-local length is monotonic in the global one.
