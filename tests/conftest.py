@@ -54,6 +54,14 @@ def docker_client():
 
 
 @pytest.fixture(scope="session")
+def buildx():
+    """buildx usable here (bake --print needs the CLI plugin, not an engine)."""
+    problem = image_build.buildx_problem()
+    if problem:
+        _unavailable(problem)
+
+
+@pytest.fixture(scope="session")
 def base_image() -> str:
     """The base image to build on: DSA_IMAGE_BASE_IMAGE (CI: a local debootstrap import, since
     no registry is reachable there) or the recipe's."""

@@ -1,0 +1,111 @@
+"""docker-bake.hcl + docker-bake.json: what `docker buildx bake --print` resolves, per target.
+
+Expected values come from the recipe; the bake file and the Dockerfile must not repeat pins."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dsa_image import image_build
+from dsa_image.bake import bake_variables
+from dsa_image.recipe import load_recipe
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECIPE = load_recipe()
+VARIABLES = bake_variables(RECIPE)
+pytestmark = pytest.mark.docker
+
+
+def _print(targets: list[str], **variables: str) -> dict:
+    # Start from an environment without any bake variable, so only the files decide.
+    clean = {k: v for k, v in os.environ.items() if k not in VARIABLES and k not in
+             {"REGISTRY", "IMAGE", "TAG", "BUILD_NETWORK", "PIP_CA", "CACHE_FROM", "CACHE_TO", "PUSH"}}
+    options = image_build.BakeOptions(network="default", variables=variables)
+    env = {**options.environment(), **variables}
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(clean)
+        return image_build.bake_print(REPO_ROOT, targets, options, env)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_default_group_is_every_recipe_target(buildx):
+    printed = _print([])
+    assert sorted(printed["group"]["default"]["targets"]) == sorted(RECIPE.targets)
+
+
+@pytest.mark.parametrize("target_id", list(RECIPE.targets))
+def test_each_target_passes_the_recipes_pins_as_args(buildx, target_id):
+    target = RECIPE.target(target_id)
+    resolved = _print([target_id])["target"][target_id]
+    assert resolved["context"] == "." and resolved["dockerfile"] == "Dockerfile"
+    assert resolved["target"] == "runtime"
+    assert resolved["args"] == {
+        "BASE_IMAGE": RECIPE.base_ref,
+        "PYTHON_VERSION": RECIPE.python,
+        "VLLM_VERSION": RECIPE.vllm_version,
+        "RECIPE": RECIPE.id,
+        "DEFAULT_MODEL": RECIPE.serving["default_model"],
+        "PORT": str(RECIPE.serving["port"]),
+        "TARGET": target_id,
+        "PLATFORMS": ",".join(target.platforms),
+        "CUDA_ARCH_LIST": ";".join(target.cuda_arch),
+        "EXTRAS_LOCK": target_id if target.extras else "",
+    }
+    assert resolved["tags"] == [f"dsa-image:{RECIPE.vllm_version}-{target_id}"]
+    assert resolved["network"] == "default"
+    assert len(resolved["platforms"]) == 1  # a local build loads this machine's platform only
+    assert resolved["output"] == [{"type": "docker"}]
+    assert "attest" not in resolved and "secret" not in resolved
+
+
+@pytest.mark.parametrize("target_id", list(RECIPE.targets))
+def test_push_builds_every_recipe_platform_with_attestations(buildx, target_id):
+    resolved = _print([target_id], PUSH="true", REGISTRY="registry.example/team", TAG="t1")["target"][target_id]
+    assert resolved["platforms"] == list(RECIPE.target(target_id).platforms)
+    assert resolved["tags"] == [f"registry.example/team/dsa-image:t1-{target_id}"]
+    assert resolved["output"] == [{"type": "registry"}]
+    kinds = {a["type"]: a for a in resolved["attest"]}
+    assert set(kinds) == {"provenance", "sbom"} and kinds["provenance"]["mode"] == "max"
+
+
+def test_network_ca_secret_and_cache_variables_reach_the_targets(buildx):
+    resolved = _print(["sm120"], BUILD_NETWORK="host", PIP_CA="/etc/ssl/certs/ca-certificates.crt",
+                      CACHE_FROM="type=local,src=/tmp/c", CACHE_TO="type=local,dest=/tmp/c",
+                      BASE_IMAGE="local-base:1")["target"]["sm120"]
+    assert resolved["network"] == "host"
+    assert resolved["secret"] == [{"id": "pip-ca", "src": "/etc/ssl/certs/ca-certificates.crt"}]
+    assert resolved["cache-from"] == [{"type": "local", "src": "/tmp/c"}]
+    assert resolved["cache-to"] == [{"type": "local", "dest": "/tmp/c"}]
+    assert resolved["args"]["BASE_IMAGE"] == "local-base:1"
+
+
+def test_test_target_builds_the_sm120_test_stage_and_exports_nothing(buildx):
+    printed = _print(["test"])["target"]
+    resolved = printed["test"]
+    assert resolved["target"] == "test"
+    assert resolved["args"]["TARGET"] == "sm120"
+    assert resolved["output"] == [{"type": "cacheonly"}]
+
+
+def _pins() -> list[str]:
+    """Every pinned value of the recipe a bake file or Dockerfile could copy."""
+    pins = [RECIPE.vllm_version, RECIPE.base_image, f"python{RECIPE.python}"]
+    pins += [pin.split("==")[1] for pin in RECIPE.cuda_toolkit]
+    pins += [w.sha256 for w in RECIPE.wheels.values() if w.sha256] + [w.filename for w in RECIPE.wheels.values()]
+    pins += [e.version for t in RECIPE.targets.values() for e in t.extras]
+    pins += [RECIPE.serving["default_model"], RECIPE.serving["served_model_name"]]
+    pins += [t.kv_cache_dtype for t in RECIPE.targets.values() if t.kv_cache_dtype != "auto"]
+    return sorted(set(pins))
+
+
+@pytest.mark.parametrize("path", ["docker-bake.hcl", "Dockerfile"])
+def test_no_pin_is_written_outside_the_recipe(path):
+    text = (REPO_ROOT / path).read_text()
+    assert [pin for pin in _pins() if pin in text] == []
