@@ -74,12 +74,18 @@ class LogFollower:
                     if self._echo is not None:
                         pending += chunk
                         *lines, pending = pending.split(b"\n")
-                        for line in lines:
-                            self._echo.write(self._prefix + line.decode(errors="replace") + "\n")
-                        self._echo.flush()
+                        self._show(lines)
         except Exception as e:  # the stream ends with the server; that is no error of the run
             if self._echo is not None:
                 self._echo.write(f"smoke: log stream ended: {e}\n")
+
+    def _show(self, lines: list[bytes]) -> None:
+        try:
+            for line in lines:
+                self._echo.write(self._prefix + line.decode(errors="replace") + "\n")
+            self._echo.flush()
+        except (OSError, ValueError):
+            self._echo = None  # a closed terminal must not stop the log file
 
     def join(self, timeout_s: float = 10.0) -> None:
         self._thread.join(timeout_s)
@@ -139,15 +145,14 @@ def run_smoke(server: Server, report: Report, recipe: Recipe, target_id: str | N
 
 
 def _stop(server: Server, report: Report) -> str:
-    """Read the final log and exit code, then stop the server; a second Ctrl-C cannot skip it."""
-    log = ""
+    """Note how the server ended, stop it (a second Ctrl-C cannot skip that), then read its
+    whole log, shutdown messages included."""
     try:
-        log = server.log_text()
         code = server.exit_code()
         if code is not None:
             report.server_exit = {"exit_code": code, "while": "during the run"}
     except Exception as e:
-        report.errors.append(f"reading the server's log or state failed: {e}")
+        report.errors.append(f"reading the server's state failed: {e}")
     for attempt in range(3):
         try:
             server.stop()
@@ -157,7 +162,11 @@ def _stop(server: Server, report: Report) -> str:
         except Exception as e:
             report.errors.append(f"stopping the server failed: {e}")
             break
-    return log
+    try:
+        return server.log_text()
+    except Exception as e:
+        report.errors.append(f"reading the server's log failed: {e}")
+        return ""
 
 
 def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str | None,
