@@ -6,6 +6,9 @@ non-zero and no container is left behind). On a GPU host, the full smoke must pa
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -160,6 +163,109 @@ def test_fake_docker_ctrl_c_removes_the_container(tmp_path):
 
     report, container, written = fake_run(tmp_path, free_port(), on_start=interrupt)
     assert written["interrupted"] is True
+
+
+# --- the real engine with a small stand-in image (seconds, not a 10 GB build) ---------------
+
+STAND_IN_ENTRY = """\
+import os, sys, time
+sys.path.insert(0, "/opt/fake")
+if sys.argv[1:] == ["verify"]:
+    print("stand-in verify: the overlay matches the receipt")
+    sys.exit(0)
+import test_smoke_fakes as fakes
+time.sleep(float(os.environ.get("STAND_IN_START_DELAY", "0")))
+for line in fakes.startup_log("FLASHMLA_SPARSE", "deepgemm"):
+    print(line, flush=True)
+server = fakes.FakeServer(fakes.FakeVllm("glm-5"), int(os.environ["DSA_IMAGE_PORT"]))
+print("INFO Application startup complete.", flush=True)
+server.httpd.serve_forever()
+"""
+
+
+def build_stand_in(client, base_image: str, context: Path, port: int, start_delay: float = 0) -> str:
+    """An image that behaves like ours to the harness (labels, DSA_IMAGE_PORT, an entrypoint
+    with `verify`) but serves the fake: the real Docker SDK path, end to end, in seconds.
+    `base_image` needs /opt/venv/bin/python (the runtime image has it)."""
+    context.mkdir()
+    (context / "fake").mkdir()
+    shutil.copy(Path(__file__).resolve().parent / "test_smoke_fakes.py", context / "fake")
+    (context / "fake" / "entry.py").write_text(STAND_IN_ENTRY)
+    (context / "Dockerfile").write_text(
+        f"FROM {base_image}\n"
+        "COPY fake/ /opt/fake/\n"
+        f"ENV DSA_IMAGE_PORT={port} STAND_IN_START_DELAY={start_delay}\n"
+        'ENTRYPOINT ["/opt/venv/bin/python", "/opt/fake/entry.py"]\n'
+        "LABEL dsa-image.target=sm90 dsa-image.vllm.version=0.24.0\n"
+    )
+    tag = f"dsa-image-smoke-stand-in:{port}"
+    client.images.build(path=str(context), tag=tag, network_mode="host", rm=True)
+    return tag
+
+
+@pytest.fixture
+def stand_in(docker_client, runtime_image, tmp_path):
+    """Stand-in images built on the runtime image (for its Python; nothing of it runs)."""
+    made = []
+
+    def make(start_delay: float = 0) -> tuple[str, int]:
+        port = free_port()
+        tag = build_stand_in(docker_client, runtime_image, tmp_path / f"ctx{len(made)}", port, start_delay)
+        made.append(tag)
+        return tag, port
+
+    yield make
+    for tag in made:
+        docker_client.images.remove(tag, force=True)
+
+
+@pytest.mark.docker
+def test_stand_in_passes_every_check_through_the_real_engine(docker_client, stand_in, tmp_path):
+    image, port = stand_in()
+    before = smoke_containers(docker_client)
+    done = run_smoke_cli(image, tmp_path / "out", "--no-gpus", "--target", "sm90", timeout=300)
+    report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
+    assert done.returncode == 0, {c["name"]: c["reason"] for c in report["checks"] if not c["passed"]}
+    assert report["image"]["id"] == docker_client.images.get(image).id
+    assert report["image"]["labels"]["dsa-image.target"] == "sm90"
+    assert report["checks"][-2]["details"]["output"] == "stand-in verify: the overlay matches the receipt"
+    assert "Application startup complete." in (tmp_path / "out" / "server.log").read_text()
+    assert smoke_containers(docker_client) == before
+
+
+@pytest.mark.docker
+def test_stand_in_gpu_request_refused_by_an_engine_without_gpus(docker_client, stand_in, tmp_path):
+    if query_gpus().get("gpus"):
+        pytest.skip("this host has a GPU: the request would be granted")
+    image, port = stand_in()
+    before = smoke_containers(docker_client)
+    done = run_smoke_cli(image, tmp_path / "out", "--target", "sm90", timeout=300)
+    report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
+    assert done.returncode == 1
+    reason = report["checks"][0]["reason"]
+    assert reason.startswith("the server did not start: docker refused to start"), reason
+    assert "gpu" in reason.lower()
+    assert smoke_containers(docker_client) == before
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_stand_in_container_removed_on_a_signal(docker_client, stand_in, tmp_path, sig):
+    image, port = stand_in(start_delay=300)
+    before = smoke_containers(docker_client)
+    argv = [sys.executable, str(SMOKE), "--runtime", "docker", "--image", image, "--no-gpus", "--target", "sm90",
+            "--out", str(tmp_path / "out"), "--quiet"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(smoke_containers(docker_client)) == len(before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(smoke_containers(docker_client)) == len(before) + 1, "the smoke container never appeared"
+    time.sleep(1)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert json.loads((tmp_path / "out" / REPORT_NAME).read_text())["interrupted"] is True
+    assert smoke_containers(docker_client) == before
 
 
 # --- the real engine and the real image -----------------------------------------------------

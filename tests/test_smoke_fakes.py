@@ -2,7 +2,8 @@
 fake `vllm` package whose `python -m vllm.entrypoints.cli.main serve` starts it as a real
 process (with a child in its process group, as vLLM's engine core is).
 
-The other smoke tests import this module; the tests here prove the fake itself behaves.
+The other smoke tests import this module (also inside a bare container: stdlib only at import
+time); the tests here prove the fake itself behaves.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-
-import pytest
 
 FAULTS = {
     "empty_text",          # completions answer ""
@@ -263,6 +262,8 @@ def test_fake_serves_nan_as_a_json_nan_literal():
 
 
 def test_fake_rejects_unknown_faults():
+    import pytest  # imported here: the fake itself also runs in a bare container, without pytest
+
     with pytest.raises(AssertionError):
         FakeVllm(faults={"typo"})
 
