@@ -5,12 +5,14 @@ non-zero and no container is left behind). On a GPU host, the full smoke must pa
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -83,10 +85,18 @@ class FakeContainer:
         self.execs.append(argv)
         if argv[-1] == "verify":
             return 0, b"3 files match the receipt"
-        if argv[:1] == ["cat"]:
-            return 0, json.dumps({"schema": 1, "vllm_version": "0.24.0", "recipe": "glm5-dsa",
-                                  "manifest_sha256": "ab" * 32, "files": [{}]}).encode()
         return 127, b"not found"
+
+    def get_archive(self, path):
+        assert path == "/opt/dsa-image/receipt.json"
+        data = json.dumps({"schema": 1, "vllm_version": "0.24.0", "recipe": "glm5-dsa",
+                           "manifest_sha256": "ab" * 32, "files": [{}]}).encode()
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            info = tarfile.TarInfo("receipt.json")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        return iter([buffer.getvalue()]), {"name": "receipt.json"}
 
     def remove(self, force=False):
         assert force
@@ -143,6 +153,7 @@ def test_fake_docker_refused_gpu_request_is_named_and_the_container_removed(tmp_
     reason = written["checks"][0]["reason"]
     assert "could not select device driver" in reason and "NVIDIA container toolkit" in reason
     assert written["passed"] is False and written["image"]["id"].startswith("sha256:")
+    assert written["versions"]["receipt_vllm"] == "0.24.0"  # read from the created container
 
 
 def test_fake_docker_early_exit_is_named_and_the_container_removed(tmp_path):
@@ -295,6 +306,7 @@ def test_real_image_without_a_gpu_fails_cleanly(docker_client, runtime_image, tm
     assert first["name"] == "server_healthy" and not first["passed"]
     assert "did not start" in first["reason"] or "exited with code" in first["reason"], first["reason"]
     assert report["image"]["labels"]["dsa-image.target"] == "sm120"
+    assert report["receipt"]["vllm_version"] == "0.24.0" and report["receipt"]["recipe"]
     assert (tmp_path / "out" / "server.log").exists() and report["log_tail"] is not None
     assert "FAIL server_healthy" in done.stderr
     assert smoke_containers(docker_client) == before

@@ -7,8 +7,11 @@ carries the label SMOKE_LABEL, so a test can prove none is left behind.
 
 from __future__ import annotations
 
+import io
+import json
+import tarfile
 import uuid
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import IO
 
 import docker
@@ -135,12 +138,16 @@ class DockerServer:
         return self._exec(self.verify_argv())
 
     def receipt(self) -> dict | None:
-        import json
-
-        code, output = self._exec(["cat", RECEIPT_PATH])
+        """The image's overlay receipt, copied out of the container: works whether it runs,
+        exited, or was created and never started."""
+        if self.container is None:
+            return None
         try:
-            return json.loads(output) if code == 0 else None
-        except ValueError:
+            chunks, _ = self.container.get_archive(RECEIPT_PATH)
+            with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+                member = tar.extractfile(PurePosixPath(RECEIPT_PATH).name)
+                return json.loads(member.read()) if member else None
+        except (DockerException, tarfile.TarError, KeyError, ValueError):
             return None
 
     def gpu_info(self) -> dict:

@@ -182,7 +182,7 @@ def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str |
         server.start()
     except StartError as e:
         report.checks.append(C.Check("server_healthy", False, f"the server did not start: {e}"))
-        server.describe(report)
+        _describe(server, report)
         return
     client = Client(server.base_url, timeout_s=request_timeout_s)
     healthy = wait_healthy(server, client, health_timeout_s)
@@ -190,9 +190,7 @@ def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str |
     report.timings["time_to_healthy_s"] = healthy.details.get("time_to_healthy_s")
     if not report.gpu.get("gpus"):
         report.gpu = server.gpu_info()  # inside the container, now that it runs
-    server.describe(report)
-    report.receipt = server.receipt()
-    report.versions.update({f"receipt_{k}": v for k, v in summarize_receipt(report.receipt).items()})
+    _describe(server, report)
     if not healthy.passed:
         return
     report.checks += C.run_http_checks(client, report.served_model_name)
@@ -203,6 +201,13 @@ def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str |
     expected = expected_for(target, capability)
     report.expected = expected.as_dict()
     report.checks.append(C.check_backends(server.log_text(), expected, capability_problem(target, capability)))
+
+
+def _describe(server: Server, report: Report) -> None:
+    """What ran: image or python, and the versions the overlay receipt proves."""
+    server.describe(report)
+    report.receipt = server.receipt()
+    report.versions.update({f"receipt_{k}": v for k, v in summarize_receipt(report.receipt).items()})
 
 
 def _fill_not_run(report: Report) -> None:
