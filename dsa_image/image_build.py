@@ -101,8 +101,9 @@ class BuildResult:
     steps: tuple[Step, ...]
 
     def rebuilt(self) -> list[Step]:
-        """Dockerfile steps (not internal ones) that ran instead of coming from the cache."""
-        return [s for s in self.steps if s.stage is not None and not s.cached]
+        """Dockerfile steps (not internal ones) that ran instead of coming from the cache.
+        FROM is left out: BuildKit reports resolving a base image as DONE, never CACHED."""
+        return [s for s in self.steps if s.stage is not None and not s.cached and "] FROM " not in s.name]
 
 
 _VERTEX_NAME = re.compile(r"^#(\d+) (\[.*)$")
@@ -155,8 +156,9 @@ def bake_print(repo: Path, targets: list[str], options: BakeOptions, extra_env: 
         raise BuildError(f"bake --print did not print JSON ({exc}):\n{done.stdout[:2000]}") from exc
 
 
-def bake(repo: Path, target: str, options: BakeOptions, sets: list[str] = (), timeout: float = 3600) -> BuildResult:
-    """Build one bake target; the log goes to options.log_dir/bake-<target>.log as it runs."""
+def bake(repo: Path, target: str, options: BakeOptions, sets: list[str] = (), timeout: float = 3600,
+         log_name: str | None = None) -> BuildResult:
+    """Build one bake target; the log goes to options.log_dir/<log_name or bake-TARGET>.log."""
     definition = bake_print(repo, [target], options)
     tags = tuple(definition["target"][target].get("tags", []))
     command = bake_command([target], options, sets)
@@ -164,7 +166,7 @@ def bake(repo: Path, target: str, options: BakeOptions, sets: list[str] = (), ti
     log_path = None
     if options.log_dir:
         options.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = options.log_dir / f"bake-{target}.log"
+        log_path = options.log_dir / f"{log_name or f'bake-{target}'}.log"
     started = time.monotonic()
     done = subprocess.run(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout)
