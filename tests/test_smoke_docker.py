@@ -291,6 +291,30 @@ def run_smoke_cli(image: str, out: Path, *extra: str, timeout: int = 900) -> sub
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=out.parent)
 
 
+IN_IMAGE_MODEL_CHECK = """\
+import sys
+from dsa_image.tiny_model import CONFIG, model_dir_differences
+from transformers import AutoConfig, AutoTokenizer
+model = sys.argv[1]
+differences = model_dir_differences(model)
+config, tokenizer = AutoConfig.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+print(f"differences={differences} model_type={config.model_type} tokens={len(tokenizer)}")
+sys.exit(1 if differences or len(tokenizer) != CONFIG["vocab_size"] else 0)
+"""
+
+
+@pytest.mark.docker
+def test_the_image_carries_the_generators_tiny_model(docker_client, runtime_image):
+    """The built-in model is byte-for-byte what the generator writes, and the image's own
+    transformers (the one vLLM uses) loads it offline with vocab_size tokens."""
+    output = docker_client.containers.run(
+        runtime_image, entrypoint=["/opt/venv/bin/python", "-c", IN_IMAGE_MODEL_CHECK,
+                                   RECIPE.serving["default_model"]],
+        environment={"PYTHONPATH": "/opt/dsa-image/tool", "HF_HUB_OFFLINE": "1"}, network_mode="host",
+        labels={SMOKE_LABEL: "tiny-model-check"}, remove=True, stderr=True).decode()
+    assert "differences=[] model_type=glm_moe_dsa tokens=1024" in output, output
+
+
 @pytest.mark.docker
 @pytest.mark.slow
 def test_real_image_without_a_gpu_fails_cleanly(docker_client, runtime_image, tmp_path):
