@@ -155,7 +155,16 @@ def test_a_log_without_the_overlay_line_says_so():
 
 
 def test_an_explicitly_selected_backend_counts():
-    log = "Using FLASHMLA_SPARSE backend.\n" + "\n".join(startup_log("FLASHMLA_SPARSE", "deepgemm")[1:])
+    log = "Using AttentionBackendEnum.FLASHMLA_SPARSE backend.\n" + "\n".join(startup_log("FLASHMLA_SPARSE", "deepgemm")[1:])
+    assert expect.backend_problems(log, expect.expected_for(RECIPE.target("sm90"), (9, 0))) == []
+
+
+def test_other_backends_in_the_log_are_not_taken_for_attention():
+    log = "\n".join(startup_log("FLASHMLA_SPARSE", "deepgemm") + [
+        "Using FLASHINFER MLA prefill backend.",
+        "Using TRITON Unquantized MoE backend out of potential backends: ['TRITON'].",
+        "Using HND KV cache layout for FLASHMLA_SPARSE backend.",
+    ])
     assert expect.backend_problems(log, expect.expected_for(RECIPE.target("sm90"), (9, 0))) == []
 
 

@@ -13,8 +13,9 @@ B12X_ENV = "VLLM_USE_B12X_SPARSE_INDEXER"
 B12X_MAJOR = 12
 
 # vLLM 0.24.0 logs the attention backend it picked ("Using X attention backend out of
-# potential backends: [...]") or was told to use ("Using X backend.").
-ATTENTION_LOG = re.compile(r"Using (\w+) (?:attention )?backend\b")
+# potential backends: [...]") or was told to use with --attention-backend ("Using
+# AttentionBackendEnum.X backend.": the enum's str()).
+ATTENTION_LOG = re.compile(r"Using (?:AttentionBackendEnum\.)?(\w+) (?:attention )?backend\b")
 # The overlay logs which kernels score the indexer: "DSA sparse indexer kernels: b12x" / "deepgemm".
 INDEXER_KERNELS_LOG = re.compile(r"DSA sparse indexer kernels: (\w+)")
 
