@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,8 @@ def test_overlay_only_change_rebuilds_only_the_overlay_and_later_stages(docker_c
     build cache."""
     _copy_build_context(tmp_path)
     tool = tmp_path / "scripts" / "overlay.py"
-    tool.write_text(tool.read_text() + "# overlay-only rebuild probe\n")
+    # A new byte string every run: a change built once before would come from the cache.
+    tool.write_text(tool.read_text() + f"# overlay-only rebuild probe {uuid.uuid4().hex}\n")
     options = bake_options.with_variables(TAG="overlay-rebuild-probe")
     result = image_build.bake(tmp_path, "sm120", options, log_name="bake-overlay-rebuild")
     try:
