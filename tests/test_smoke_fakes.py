@@ -186,6 +186,9 @@ FAKE_CLI = textwrap.dedent('''\
         parser.add_argument("cmd"); parser.add_argument("model")
         parser.add_argument("--port", type=int); parser.add_argument("--served-model-name")
         args, _ = parser.parse_known_args(argv)
+        if os.environ.get("FAKE_VLLM_MODEL_FILE"):  # what the model directory held at start
+            with open(os.environ["FAKE_VLLM_MODEL_FILE"], "w") as f:
+                json.dump(sorted(os.listdir(args.model)), f)
         # A child in the same process group, as vLLM's engine core: it ignores SIGTERM.
         child = subprocess.Popen([sys.executable, "-c",
             "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)"])

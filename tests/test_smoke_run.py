@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_smoke_fakes import FakeServer, FakeVllm, free_port, make_fake_vllm_site, pid_alive, startup_log  # noqa: E402
 
+from dsa_image import tiny_model  # noqa: E402
 from dsa_image.recipe import load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke.report import LOG_NAME, REPORT_NAME, Report  # noqa: E402
@@ -179,7 +180,8 @@ def test_wait_healthy_uses_the_clock_it_is_given():
 @pytest.fixture
 def fake_env(tmp_path, monkeypatch):
     site = make_fake_vllm_site(tmp_path / "site")
-    files = {"FAKE_VLLM_ARGV_FILE": tmp_path / "argv.json", "FAKE_VLLM_CHILD_FILE": tmp_path / "child.pid"}
+    files = {"FAKE_VLLM_ARGV_FILE": tmp_path / "argv.json", "FAKE_VLLM_CHILD_FILE": tmp_path / "child.pid",
+             "FAKE_VLLM_MODEL_FILE": tmp_path / "model-files.json"}
     for key, path in files.items():
         monkeypatch.setenv(key, str(path))
     monkeypatch.setenv("FAKE_VLLM_ATTENTION", "FLASHMLA_SPARSE")
@@ -229,11 +231,13 @@ def test_local_runtime_runs_every_check_and_kills_the_process_group(tmp_path, fa
     assert "receipt" in checks["overlay_verify"]["reason"]
     assert report["python"]["executable"] == sys.executable and report["versions"]["vllm_installed"] == "0.24.0"
     argv = json.loads(Path(files["FAKE_VLLM_ARGV_FILE"]).read_text())
-    model = str(tmp_path / "out" / "model" / "tiny-glm5")
+    model = report["model"]
+    assert Path(model).name == "tiny-glm5" and not Path(model).exists(), "the scratch model must be removed"
+    assert json.loads(Path(files["FAKE_VLLM_MODEL_FILE"]).read_text()) == sorted(tiny_model.model_files())
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [LOG_NAME, REPORT_NAME]
     assert argv == ["serve", model, "--served-model-name", "glm-5", "--max-model-len", "8192",
                     "--kv-cache-dtype", "auto", "--load-format", "dummy", "--host", "127.0.0.1",
                     "--port", argv[argv.index("--port") + 1], "--enforce-eager", "--gpu-memory-utilization", "0.15"]
-    assert (tmp_path / "out" / "model" / "tiny-glm5" / "config.json").is_file()
     assert "DSA sparse indexer kernels: deepgemm" in (tmp_path / "out" / LOG_NAME).read_text()
     assert "server| INFO Application startup complete." in err
     # The engine-core stand-in ignores SIGTERM: only a group SIGKILL ends it.
@@ -269,17 +273,6 @@ def test_local_runtime_cleans_up_on_a_signal(tmp_path, fake_env, monkeypatch, si
     report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
     assert report["interrupted"] is True and report["passed"] is False
     assert wait_gone(child_pid(files))
-
-
-@needs_script
-def test_local_runtime_refuses_a_dirty_model_dir(tmp_path, fake_env):
-    site, files = fake_env
-    model = tmp_path / "out" / "model" / "tiny-glm5"
-    model.mkdir(parents=True)
-    (model / "config.json").write_text("{}")
-    proc = run_local(tmp_path, site, "--quiet")
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2 and "is not the generator's output" in err
 
 
 @needs_script

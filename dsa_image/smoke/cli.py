@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from dsa_image.recipe import DEFAULT_RECIPE, RecipeError, load_recipe
 from dsa_image.smoke.report import LOG_NAME, REPORT_NAME, Report
 from dsa_image.smoke.run import DEFAULT_HEALTH_TIMEOUT_S, StartError, print_summary, run_smoke, resolve_target
-from dsa_image.tiny_model import TinyModelError, model_dir_differences, write_model
+from dsa_image.tiny_model import TinyModelError, write_model
 
 USAGE = """\
 smoke.py --runtime docker --image IMAGE [--target T] [--out DIR] [-- SERVER_ARG...]
@@ -46,7 +47,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--target", help="recipe target (sm120, sm100, sm90); default: the image's "
                                          "dsa-image.target label, else the target built for the GPU")
     parser.add_argument("--model", help="model to serve; default: docker: the image's built-in tiny GLM-5, "
-                                        "local: the tiny GLM-5 written into DIR/model")
+                                        "local: the tiny GLM-5, written to a scratch directory for the run")
     parser.add_argument("--load-format", help="local: default the recipe's (dummy) for the tiny model, auto otherwise")
     parser.add_argument("--port", type=int, help="local: default the recipe's serving port")
     parser.add_argument("--network", choices=("host", "bridge"), default="host",
@@ -65,24 +66,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, server_args
 
 
-def tiny_model_dir(out: Path) -> Path:
-    """The tiny GLM-5 under DIR/model: written once, reused only when byte-identical."""
-    model = out / "model" / "tiny-glm5"
-    if model.exists():
-        differences = model_dir_differences(model)
-        if differences:
-            raise TinyModelError(f"{model} is not the generator's output ({'; '.join(differences)}): remove it")
-        return model
-    write_model(model)
-    return model
-
-
-def build_local(args, server_args, recipe, report: Report, echo):
+def build_local(args, server_args, recipe, report: Report, echo, scratch: Path):
     from dsa_image.smoke.local_runtime import LocalServer, serve_command, server_env
 
     # Without --target the GPU decides (sm_90 -> sm90 ...): its env and KV cache dtype shape the server.
     target = resolve_target(recipe, args.target, {} if args.target else _host_gpu())
-    model = args.model or str(tiny_model_dir(args.out.resolve()))
+    # The tiny model goes to a scratch directory, removed after the run: the report directory
+    # keeps only the report and the log (it may be committed).
+    model = args.model or str(write_model(scratch / "tiny-glm5")[0].parent)
     load_format = args.load_format or (recipe.serving["default_load_format"] if not args.model else "auto")
     port = args.port or int(recipe.serving["port"])
     command = serve_command(args.python, model, recipe, target, port, load_format, server_args)
@@ -91,7 +82,7 @@ def build_local(args, server_args, recipe, report: Report, echo):
                        args.out / LOG_NAME, echo), target.id
 
 
-def build_docker(args, server_args, recipe, report: Report, echo):
+def build_docker(args, server_args, recipe, report: Report, echo, scratch: Path):
     from dsa_image.smoke.docker_runtime import DockerServer
 
     # The image serves its built-in model when given no arguments; with server arguments it
@@ -122,16 +113,17 @@ def _host_gpu() -> dict:
 def main(argv: list[str] | None = None) -> int:
     args, server_args = parse_args(sys.argv[1:] if argv is None else argv)
     echo = None if args.quiet else sys.stderr
-    try:
-        recipe = load_recipe(args.recipe)
-        report = Report(runtime=args.runtime, served_model_name=recipe.serving["served_model_name"])
-        build = build_docker if args.runtime == "docker" else build_local
-        args.out.mkdir(parents=True, exist_ok=True)
-        server, target = build(args, server_args, recipe, report, echo)
-    except (RecipeError, TinyModelError, StartError, OSError) as e:
-        print(f"smoke: {e}", file=sys.stderr)
-        return 2
-    report = run_smoke(server, report, recipe, target, args.out, args.health_timeout, args.request_timeout)
+    with tempfile.TemporaryDirectory(prefix="dsa-smoke-") as scratch:
+        try:
+            recipe = load_recipe(args.recipe)
+            report = Report(runtime=args.runtime, served_model_name=recipe.serving["served_model_name"])
+            build = build_docker if args.runtime == "docker" else build_local
+            args.out.mkdir(parents=True, exist_ok=True)
+            server, target = build(args, server_args, recipe, report, echo, Path(scratch))
+        except (RecipeError, TinyModelError, StartError, OSError) as e:
+            print(f"smoke: {e}", file=sys.stderr)
+            return 2
+        report = run_smoke(server, report, recipe, target, args.out, args.health_timeout, args.request_timeout)
     print_summary(report, args.out / REPORT_NAME)
     if report.interrupted:
         return 130
