@@ -7,15 +7,16 @@
 #            there with our tool, verify, make the tiny GLM-5; then run the
 #            indexer metadata probe on both (equivalence, syncs, host time,
 #            block-table width, b12x metadata path, DCP) and compare.
-#   serve    stock twice and the overlay once, served one after another
+#   prepare  the install phase without the probes (to serve on a fresh machine).
+#   serve    stock twice and the overlay once, served side by side
 #            (token equivalence, JIT during inference).
 #   smoke    the smoke test's local runtime against the overlay.
 #
 # Wheels arrive split (scripts/stage_h200_wheels.sh) in /tmp/stage. Results go
 # to $OUT (as one tarball plus the summaries: $OUT keeps at most 8 files).
-# Usage: bash scripts/h200_validation.sh install|serve|smoke
+# Usage: bash scripts/h200_validation.sh prepare|install|serve|smoke
 set -uo pipefail
-phase=${1:?usage: h200_validation.sh install|serve|smoke}
+phase=${1:?usage: h200_validation.sh prepare|install|serve|smoke}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/out}
 results=/tmp/results
@@ -71,7 +72,7 @@ probes() {
 }
 
 serve() {
-  log "serving equivalence: stock, stock, overlay, one after another"
+  log "serving equivalence: stock, stock, overlay, side by side"
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving --model /tmp/tiny-glm5 \
     --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay --out "$results/serving") \
     > "$results/serving.log" 2>&1
@@ -100,6 +101,7 @@ collect() {
 
 case $phase in
   install) environment; install; probes; collect ;;
+  prepare) environment; install; collect ;;
   serve) environment; serve; collect ;;
   smoke) environment; smoke; collect ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;

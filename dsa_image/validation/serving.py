@@ -1,9 +1,10 @@
 """Serving equivalence: stock vLLM twice and the overlay once, same seed, same requests.
 
-Starts the three servers one after another on one GPU (vLLM's memory
-profiling cannot share a GPU with another starting server), sends each the same
-greedy requests (short prompts and prompts over 2048 tokens, one by one and
-then several at once) and compares the generated token ids and logprobs. Stock against stock first: only
+Starts the three servers side by side on one GPU, each with its own HOME (no
+compile cache shared) and a fixed KV-cache size (vLLM's memory profiling would
+count the other servers' allocations as its own), sends each the same greedy
+requests (short prompts and prompts over 2048 tokens, one by one and then
+several at once) and compares the generated token ids and logprobs. Stock against stock first: only
 if that repeats exactly does a stock/overlay difference mean something. Also
 reports, per server, the Triton kernels the JIT monitor saw compiled during
 inference.
@@ -42,9 +43,10 @@ def prompts(vocab_size: int = 1024, seed: int = 7) -> list[list[int]]:
 
 
 def start_server(name, site, model, port, out_dir, extra_args):
-    # One HOME (compile caches) for all: the JIT monitor reports in-process
-    # compiles, cached on disk or not, so sharing only saves start-up time.
-    home = "/tmp/home-serving"
+    # A HOME (compile caches) each: a DeepGEMM JIT cache reused from a server
+    # that was stopped made the next one report DeepGEMM unavailable (seen on
+    # the H200, 2026-11-30).
+    home = f"/tmp/home-{name}"
     os.makedirs(home, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=site, HOME=home, VLLM_CACHE_ROOT=f"{home}/vllm",
                DG_JIT_CACHE_DIR=f"{home}/deep_gemm", TRITON_CACHE_DIR=f"{home}/triton")
@@ -133,39 +135,39 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--server-args",
-                        default="--enforce-eager --gpu-memory-utilization 0.12",
+                        default="--enforce-eager --kv-cache-memory-bytes 4294967296",
                         help="extra vllm serve arguments, one string")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    plan = [("stock_a", args.stock_site), ("stock_b", args.stock_site),
-            ("overlay", args.overlay_site)]
+    plan = [("stock_a", args.stock_site, 8101), ("stock_b", args.stock_site, 8102),
+            ("overlay", args.overlay_site, 8103)]
+    servers = [start_server(n, s, args.model, p, args.out, shlex.split(args.server_args))
+               for n, s, p in plan]
     report = {"prompt_lengths": PROMPT_LENGTHS, "max_tokens": MAX_TOKENS,
-              "healthy_after_s": {}, "request_time_s": {}, "server_logs": {}}
+              "server_cmd": servers[0]["cmd"][1:], "healthy_after_s": {},
+              "request_time_s": {}}
     batch = prompts()
     results = {}
     try:
-        for name, site in plan:
-            server = start_server(name, site, args.model, 8101, args.out,
-                                  shlex.split(args.server_args))
-            report["server_cmd"] = server["cmd"][1:]
-            report["server_logs"][name] = server["log"]
-            try:
-                healthy = wait_healthy(server, time.monotonic() + args.timeout)
-                report["healthy_after_s"][name] = round(healthy, 1)
-                t0 = time.monotonic()
-                results[name] = run_requests(server["port"], batch)
-                report["request_time_s"][name] = round(time.monotonic() - t0, 2)
-            finally:
-                stop(server)
+        deadline = time.monotonic() + args.timeout
+        for s in servers:
+            report["healthy_after_s"][s["name"]] = round(wait_healthy(s, deadline), 1)
+        for s in servers:
+            t0 = time.monotonic()
+            results[s["name"]] = run_requests(s["port"], batch)
+            report["request_time_s"][s["name"]] = round(time.monotonic() - t0, 2)
         report["stock_vs_stock"] = compare(results["stock_a"], results["stock_b"])
         report["stock_vs_overlay"] = compare(results["stock_a"], results["overlay"])
         report["sample_tokens"] = {n: r["sequential"][3]["token_ids"] for n, r in results.items()}
         report["empty_text"] = [n for n, r in results.items()
                                 if any(not c["text"] for m in r.values() for c in m)]
-    except Exception as e:  # noqa: BLE001 - reported with what ran so far
+    except Exception as e:  # noqa: BLE001 - reported, then servers are stopped
         report["error"] = f"{type(e).__name__}: {e}"
-    report["jit_during_inference"] = {n: jit_kernels_during_inference(log)
-                                      for n, log in report["server_logs"].items()}
+    finally:
+        for s in servers:
+            stop(s)
+    report["jit_during_inference"] = {s["name"]: jit_kernels_during_inference(s["log"])
+                                      for s in servers}
     report["ok"] = bool(
         "error" not in report
         and report.get("stock_vs_stock", {}).get("identical_tokens")
