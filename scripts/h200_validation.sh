@@ -74,7 +74,7 @@ probes() {
 serve() {
   log "serving equivalence: stock, stock, overlay, side by side"
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving --model /tmp/tiny-glm5 \
-    --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay --out "$results/serving") \
+    --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay --out "$results/serving" --timeout 420) \
     > "$results/serving.log" 2>&1
   echo "serving exit: $?" | tee -a "$results/serving.log"
   tail -40 "$results/serving.log"
