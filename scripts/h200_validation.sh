@@ -8,15 +8,16 @@
 #            indexer metadata probe on both (equivalence, syncs, host time,
 #            block-table width, b12x metadata path, DCP) and compare.
 #   prepare  the install phase without the probes (to serve on a fresh machine).
+#   hosttime build() host time, stock and overlay interleaved in one process.
 #   serve    stock twice and the overlay once, served side by side
 #            (token equivalence, JIT during inference).
 #   smoke    the smoke test's local runtime against the overlay.
 #
 # Wheels arrive split (scripts/stage_h200_wheels.sh) in /tmp/stage. Results go
 # to $OUT (as one tarball plus the summaries: $OUT keeps at most 8 files).
-# Usage: bash scripts/h200_validation.sh prepare|install|serve|smoke
+# Usage: bash scripts/h200_validation.sh prepare|install|serve|hosttime|smoke
 set -uo pipefail
-phase=${1:?usage: h200_validation.sh prepare|install|serve|smoke}
+phase=${1:?usage: h200_validation.sh prepare|install|serve|hosttime|smoke}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/out}
 results=/tmp/results
@@ -80,6 +81,15 @@ serve() {
   tail -40 "$results/serving.log"
 }
 
+hosttime() {
+  log "host time of build(): stock and overlay in one process, interleaved"
+  (cd /tmp && PYTHONPATH="/tmp/site-overlay:$repo" python3 -m dsa_image.validation.host_time \
+    --model /tmp/tiny-glm5 --json "$results/host-time.json" \
+    --stock-indexer /tmp/site-stock/vllm/v1/attention/backends/mla/indexer.py) \
+    2>&1 | tee "$results/host-time.log" | grep -v "^INFO\|WARNING"
+  cp "$results/host-time.json" "$out/"
+}
+
 smoke() {
   log "smoke test, local runtime, overlay"
   (cd /tmp && python3 "$repo/scripts/smoke.py" --runtime local --python python3 \
@@ -102,6 +112,7 @@ collect() {
 case $phase in
   install) environment; install; probes; collect ;;
   prepare) environment; install; collect ;;
+  hosttime) hosttime ;;
   serve) environment; serve; collect ;;
   smoke) environment; smoke; collect ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;

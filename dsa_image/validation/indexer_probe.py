@@ -63,17 +63,22 @@ def make_vllm_config(model_dir: str, num_speculative_tokens: int):
     return config
 
 
-def make_builder(vllm_config):
+def make_builder(vllm_config, builder_cls=None):
+    """The indexer metadata builder of the vLLM on sys.path (or ``builder_cls``)."""
     torch = _torch()
     from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadataBuilder
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    if builder_cls is None:
+        from vllm.v1.attention.backends.mla.indexer import (
+            DeepseekV32IndexerMetadataBuilder as builder_cls,
+        )
 
     spec = MLAAttentionSpec(
         block_size=B.BLOCK_SIZE, num_kv_heads=1, head_size=132, dtype=torch.uint8
     )
     with set_current_vllm_config(vllm_config):
-        return DeepseekV32IndexerMetadataBuilder(
+        return builder_cls(
             spec, ["model.layers.0.self_attn.indexer.k_cache"], vllm_config,
             torch.device("cuda:0"),
         )

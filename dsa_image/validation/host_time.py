@@ -1,0 +1,99 @@
+"""Host time of build(): stock and overlay builders in one process, calls interleaved.
+
+Separate processes measured minutes apart differ by tens of percent on the same
+code (seen on the H200), so this loads stock vLLM's indexer.py from a stock
+install under another module name next to the overlay's (the overlay's vLLM is
+on sys.path; stock indexer.py imports nothing the overlay changed) and times the
+two builders alternately, call by call, on the same batches.
+
+Usage: python -m dsa_image.validation.host_time --model DIR \
+           --stock-indexer SITE/vllm/v1/attention/backends/mla/indexer.py --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from dsa_image.validation import batches as B
+from dsa_image.validation import indexer_probe as probe
+
+CALLS = 400
+
+
+def load_stock_indexer(path: str):
+    spec = importlib.util.spec_from_file_location("dsa_stock_indexer", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def interleaved_host_us(builds: dict, calls: int = CALLS) -> dict:
+    """Median host time per build() for each builder, alternating call by call."""
+    torch = probe._torch()
+    samples = {name: [] for name in builds}
+    gc.disable()
+    try:
+        for _ in range(calls):
+            for name, build in builds.items():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                build()
+                samples[name].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    torch.cuda.synchronize()
+    return {name: statistics.median(s) * 1e6 for name, s in samples.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--stock-indexer", required=True)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    from vllm.v1.attention.backends.mla import indexer as overlay_indexer
+
+    stock_indexer = load_stock_indexer(args.stock_indexer)
+    rng = np.random.default_rng(probe.SEED)
+    rows = []
+    for next_n, specs in B.standard_batches(probe.SEED, probe.MAX_MODEL_LEN).items():
+        config = probe.make_vllm_config(args.model, next_n - 1)
+        builders = {
+            "stock": probe.make_builder(config, stock_indexer.DeepseekV32IndexerMetadataBuilder),
+            "overlay": probe.make_builder(config, overlay_indexer.DeepseekV32IndexerMetadataBuilder),
+        }
+        width = -(-probe.MAX_MODEL_LEN // B.BLOCK_SIZE)
+        for spec in specs:
+            table = B.random_block_table(rng, spec.num_reqs, width, probe.NUM_BLOCKS)
+            cm = probe.make_common_metadata(spec, table)
+            builds = {name: (lambda b=b: b.build(0, cm)) for name, b in builders.items()}
+            for build in builds.values():
+                build()
+            us = interleaved_host_us(builds)
+            rows.append({"scenario": spec.name, "next_n": next_n,
+                         "host_us_stock": round(us["stock"], 1),
+                         "host_us_overlay": round(us["overlay"], 1),
+                         "ratio": round(us["overlay"] / us["stock"], 3)})
+            print(f"{spec.name:28s} stock {us['stock']:7.1f} us  overlay "
+                  f"{us['overlay']:7.1f} us  ratio {rows[-1]['ratio']:.3f}", flush=True)
+    report = {"calls_per_builder": CALLS, "scenarios": rows,
+              "overlay_not_slower": all(r["ratio"] <= 1.0 for r in rows),
+              "stock_indexer": args.stock_indexer,
+              "overlay_indexer": overlay_indexer.__file__}
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    print("HOST TIME overlay <= stock on every scenario:", report["overlay_not_slower"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
