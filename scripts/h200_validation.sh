@@ -48,10 +48,10 @@ install() {
   cp -a /tmp/site-stock /tmp/site-overlay
   log "applying the overlay with our tool"
   python3 "$repo/scripts/overlay.py" apply --site-packages /tmp/site-overlay \
-    2>&1 | tee "$results/overlay-apply.log"
+    2>&1 | tee "$results/overlay-apply.log" || exit 1
   cp /tmp/site-overlay/vllm_overlay_receipt.json "$results/"
   (cd /tmp && PYTHONPATH=/tmp/site-overlay python3 "$repo/scripts/overlay.py" verify \
-    --site-packages /tmp/site-overlay) 2>&1 | tee "$results/overlay-verify.log"
+    --site-packages /tmp/site-overlay) 2>&1 | tee "$results/overlay-verify.log" || exit 1
   python3 "$repo/scripts/make_tiny_model.py" /tmp/tiny-glm5 > /dev/null
 }
 
@@ -83,7 +83,8 @@ serve() {
 
 hosttime() {
   log "host time of build(): stock and overlay in one process, interleaved"
-  (cd /tmp && PYTHONPATH="/tmp/site-overlay:$repo" python3 -m dsa_image.validation.host_time \
+  (cd /tmp && PYTHONPATH="/tmp/site-overlay:/tmp/site-overlay/nvidia_cutlass_dsl/python_packages:$repo" \
+    python3 -m dsa_image.validation.host_time --overlay-checks \
     --model /tmp/tiny-glm5 --json "$results/host-time.json" \
     --stock-indexer /tmp/site-stock/vllm/v1/attention/backends/mla/indexer.py) \
     2>&1 | tee "$results/host-time.log" | grep -v "^INFO\|WARNING"

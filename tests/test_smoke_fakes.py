@@ -14,7 +14,6 @@ import os
 import sys
 import textwrap
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 

@@ -1,5 +1,8 @@
 """Host time of build(): stock and overlay builders in one process, calls interleaved.
 
+Both builders also build each batch once more for a tensor-for-tensor comparison
+(the same check as compare.py, here within one process).
+
 Separate processes measured minutes apart differ by tens of percent on the same
 code (seen on the H200), so this loads stock vLLM's indexer.py from a stock
 install under another module name next to the overlay's (the overlay's vLLM is
@@ -23,6 +26,7 @@ import time
 import numpy as np
 
 from dsa_image.validation import batches as B
+from dsa_image.validation import compare
 from dsa_image.validation import indexer_probe as probe
 
 CALLS = 400
@@ -59,6 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--stock-indexer", required=True)
     parser.add_argument("--json", required=True)
+    parser.add_argument("--overlay-checks", action="store_true",
+                        help="then the probe's overlay-only checks (width, b12x, DCP)")
     args = parser.parse_args(argv)
     from vllm.v1.attention.backends.mla import indexer as overlay_indexer
 
@@ -76,21 +82,39 @@ def main(argv=None) -> int:
             table = B.random_block_table(rng, spec.num_reqs, width, probe.NUM_BLOCKS)
             cm = probe.make_common_metadata(spec, table)
             builds = {name: (lambda b=b: b.build(0, cm)) for name, b in builders.items()}
-            for build in builds.values():
-                build()
+            built = {}
+            for name, build in builds.items():
+                md = build()
+                probe._torch().cuda.synchronize()
+                built[name] = {"tensors": probe.flatten_metadata(md),
+                               "runner_block_table_width": width,
+                               "true_decode_max_seq_len": probe._true_decode_max(spec, md)}
+            differences = compare.compare_scenario(built["stock"], built["overlay"])
             us = interleaved_host_us(builds)
             rows.append({"scenario": spec.name, "next_n": next_n,
+                         "tensors_compared": len(built["stock"]["tensors"]),
+                         "equal": not differences, "differences": differences,
                          "host_us_stock": round(us["stock"], 1),
                          "host_us_overlay": round(us["overlay"], 1),
                          "ratio": round(us["overlay"] / us["stock"], 3)})
-            print(f"{spec.name:28s} stock {us['stock']:7.1f} us  overlay "
-                  f"{us['overlay']:7.1f} us  ratio {rows[-1]['ratio']:.3f}", flush=True)
+            print(f"{spec.name:28s} equal {not differences!s:5s} stock {us['stock']:7.1f} us"
+                  f"  overlay {us['overlay']:7.1f} us  ratio {rows[-1]['ratio']:.3f}", flush=True)
     report = {"calls_per_builder": CALLS, "scenarios": rows,
+              "all_equal": all(r["equal"] for r in rows),
               "overlay_not_slower": all(r["ratio"] <= 1.0 for r in rows),
               "stock_indexer": args.stock_indexer,
               "overlay_indexer": overlay_indexer.__file__}
+    if args.overlay_checks:
+        report["block_table_growth"] = probe._guarded(probe.check_block_table_growth, args.model)
+        report["b12x"] = probe._guarded(probe.check_b12x_path, args.model)
+        report["dcp"] = probe._guarded(probe.check_dcp, args.model)
+        report["overlay_checks_pass"] = compare._overlay_checks_pass(report)
+        print(json.dumps({k: report[k] for k in ("block_table_growth", "dcp")}, default=str))
+        print("OVERLAY CHECKS:", report["overlay_checks_pass"],
+              {k: v.get("syncs") for k, v in report["b12x"].get("scenarios", {}).items()})
     with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
+        json.dump(report, f, indent=1, default=str)
+    print("TENSORS EQUAL on every scenario:", report["all_equal"])
     print("HOST TIME overlay <= stock on every scenario:", report["overlay_not_slower"])
     return 0
 

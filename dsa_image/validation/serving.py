@@ -57,11 +57,12 @@ def start_server(name, site, model, port, out_dir, extra_args):
     log = open(os.path.join(out_dir, f"server-{name}.log"), "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             cwd=home, start_new_session=True)
-    return {"name": name, "port": port, "proc": proc, "log": log.name, "cmd": cmd}
+    return {"name": name, "port": port, "proc": proc, "log": log.name, "cmd": cmd,
+            "started": time.monotonic()}
 
 
 def wait_healthy(server, deadline) -> float:
-    start = time.monotonic()
+    """Seconds from the server's start until /health answers."""
     url = f"http://127.0.0.1:{server['port']}/health"
     while time.monotonic() < deadline:
         if server["proc"].poll() is not None:
@@ -70,7 +71,7 @@ def wait_healthy(server, deadline) -> float:
         try:
             with urllib.request.urlopen(url, timeout=5) as r:
                 if r.status == 200:
-                    return time.monotonic() - start
+                    return time.monotonic() - server["started"]
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(2)
