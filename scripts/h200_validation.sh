@@ -13,7 +13,7 @@
 #            (token equivalence, JIT during inference).
 #   smoke    the smoke test's local runtime against the overlay.
 #
-# Wheels arrive split (scripts/stage_h200_wheels.sh) in /tmp/stage. Results go
+# Wheels arrive split (scripts/stage_h200_wheels.py) in /tmp/stage. Results go
 # to $OUT (as one tarball plus the summaries: $OUT keeps at most 8 files).
 # Usage: bash scripts/h200_validation.sh prepare|install|serve|hosttime|smoke
 set -uo pipefail
