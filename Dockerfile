@@ -146,9 +146,14 @@ COPY dsa_image/ ${DSA_IMAGE_TOOL}/dsa_image/
 COPY scripts/overlay.py scripts/recipe.py ${DSA_IMAGE_TOOL}/scripts/
 COPY recipes/${RECIPE}.toml ${DSA_IMAGE_TOOL}/recipes/
 COPY overlay/ ${DSA_IMAGE_TOOL}/overlay/
+# RECEIPT_SHA256 is the receipt predicted from overlay/manifest.json (docker-bake.json); the
+# image is labelled with it, so the receipt written here must be exactly that one.
+ARG RECEIPT_SHA256
 RUN python -B "${DSA_IMAGE_TOOL}/scripts/overlay.py" apply --site-packages "${DSA_IMAGE_SITE_PACKAGES}" --recipe "${RECIPE}"; \
     cp "${DSA_IMAGE_SITE_PACKAGES}/vllm_overlay_receipt.json" /opt/dsa-image/receipt.json; \
     (cd /opt/dsa-image && sha256sum receipt.json > receipt.json.sha256); \
+    written=$(cut -d' ' -f1 /opt/dsa-image/receipt.json.sha256); \
+    [[ "${written}" == "${RECEIPT_SHA256}" ]] || { echo "the receipt apply wrote has sha256 ${written}, docker-bake.json predicts '${RECEIPT_SHA256}' (the image label): run 'python3 scripts/overlay.py record --refresh' and rebuild with 'docker buildx bake'" >&2; exit 1; }; \
     chmod -R a-w /opt/dsa-image/receipt.json /opt/dsa-image/receipt.json.sha256
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +181,9 @@ RUN python -B scripts/overlay.py verify --site-packages "${DSA_IMAGE_SITE_PACKAG
 
 # ---------------------------------------------------------------------------------------------
 FROM overlay AS runtime
+ARG RECEIPT_SHA256
+ARG VLLM_WHEEL_SHA256_AMD64
+ARG VLLM_WHEEL_SHA256_ARM64
 ARG BASE_IMAGE
 ARG TARGET
 ARG RECIPE
@@ -213,4 +221,7 @@ LABEL org.opencontainers.image.title="dsa-image-${TARGET}" \
       dsa-image.target="${TARGET}" \
       dsa-image.cuda-arch="${CUDA_ARCH_LIST}" \
       dsa-image.vllm.version="${VLLM_VERSION}" \
-      dsa-image.receipt="/opt/dsa-image/receipt.json"
+      dsa-image.vllm.wheel-sha256.amd64="${VLLM_WHEEL_SHA256_AMD64}" \
+      dsa-image.vllm.wheel-sha256.arm64="${VLLM_WHEEL_SHA256_ARM64}" \
+      dsa-image.receipt="/opt/dsa-image/receipt.json" \
+      dsa-image.receipt.sha256="${RECEIPT_SHA256}"

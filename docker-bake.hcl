@@ -72,6 +72,9 @@ target "_common" {
     RECIPE         = RECIPE
     DEFAULT_MODEL  = DEFAULT_MODEL
     PORT           = PORT
+    RECEIPT_SHA256 = RECEIPT_SHA256
+    VLLM_WHEEL_SHA256_AMD64 = VLLM_WHEEL_SHA256_AMD64
+    VLLM_WHEEL_SHA256_ARM64 = VLLM_WHEEL_SHA256_ARM64
   }
   secret     = PIP_CA == "" ? [] : ["id=pip-ca,src=${PIP_CA}"]
   cache-from = CACHE_FROM == "" ? [] : [CACHE_FROM]

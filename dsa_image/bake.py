@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .overlay import predicted_receipt_sha256
 from .recipe import ARCH_OF_PLATFORM, Recipe, Target
 
 BAKE_JSON = Path("docker-bake.json")
@@ -42,6 +43,9 @@ def bake_variables(recipe: Recipe) -> dict[str, str]:
         "DEFAULT_MODEL": str(serving["default_model"]),
         "DEFAULT_LOAD_FORMAT": str(serving["default_load_format"]),
         "PORT": str(serving["port"]),
+        # The receipt `apply` must write for overlay/manifest.json: the image's label, and
+        # checked against the real receipt during the build. `overlay.py record` re-renders.
+        "RECEIPT_SHA256": predicted_receipt_sha256(recipe.id),
     }
     for platform, wheel in recipe.wheels.items():
         arch = ARCH_OF_PLATFORM[platform].upper()

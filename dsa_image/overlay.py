@@ -286,16 +286,27 @@ def _install(site: Path, manifest: Manifest, contents: dict[str, bytes], transac
         target = site / entry.path
         if target.suffix == ".py":
             _refresh_bytecode(target, transaction)
-    files = []
     for entry in manifest.files:
         installed = wheels.sha256_file(site / entry.path)
         if installed != entry.overlay_sha256:
             raise OverlayError(CANNOT_WRITE, f"{entry.path}: installed copy has sha256 {_short(installed)}, "
                                              f"expected {_short(entry.overlay_sha256)}")
-        files.append({"path": entry.path, "upstream_sha256": entry.upstream_sha256,
-                      "overlay_sha256": entry.overlay_sha256, "installed_sha256": installed})
+    return expected_receipt(recipe_id, manifest, manifest_raw)
+
+
+def expected_receipt(recipe_id: str, manifest: Manifest, manifest_raw: bytes) -> dict:
+    """The receipt apply writes for this manifest once every installed file is the overlay's:
+    a function of the manifest alone, so its sha256 is known before any build."""
+    files = [{"path": e.path, "upstream_sha256": e.upstream_sha256, "overlay_sha256": e.overlay_sha256,
+              "installed_sha256": e.overlay_sha256} for e in manifest.files]
     return {"schema": RECEIPT_SCHEMA, "recipe": recipe_id, "vllm_version": manifest.vllm_version,
             "manifest_sha256": wheels.sha256_bytes(manifest_raw), "files": files}
+
+
+def predicted_receipt_sha256(recipe_id: str = DEFAULT_RECIPE, manifest_path: Path = MANIFEST_PATH) -> str:
+    """sha256 of the receipt an image built from this manifest must carry (its label)."""
+    manifest, manifest_raw = load_manifest(manifest_path)
+    return wheels.sha256_bytes(receipt_bytes(expected_receipt(recipe_id, manifest, manifest_raw)))
 
 
 def _refresh_bytecode(source: Path, transaction: _Transaction) -> None:
@@ -340,9 +351,7 @@ def _check_receipt(receipt: dict, receipt_path: Path, manifest: Manifest, manife
     if receipt["manifest_sha256"] != manifest_sha:
         raise OverlayError(MISMATCH, f"{receipt_path}: written for manifest sha256 {_short(receipt['manifest_sha256'])}, "
                                      f"the manifest is {_short(manifest_sha)}; re-apply on a clean vLLM")
-    expected = [{"path": e.path, "upstream_sha256": e.upstream_sha256, "overlay_sha256": e.overlay_sha256,
-                 "installed_sha256": e.overlay_sha256} for e in manifest.files]
-    if receipt["files"] != expected or receipt["vllm_version"] != manifest.vllm_version:
+    if receipt != expected_receipt(receipt["recipe"], manifest, manifest_raw):
         raise OverlayError(MISMATCH, f"{receipt_path}: does not match what apply writes for this manifest (tampered receipt)")
 
 

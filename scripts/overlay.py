@@ -38,8 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image import overlay  # noqa: E402
-from dsa_image.recipe import DEFAULT_RECIPE  # noqa: E402
+from dsa_image import bake, overlay  # noqa: E402
+from dsa_image.recipe import DEFAULT_RECIPE, REPO_ROOT, load_recipe  # noqa: E402
 
 
 def say(message: str) -> None:
@@ -77,6 +77,11 @@ def run(args) -> int:
             raise overlay.OverlayError(overlay.BAD_INPUT, "record: --remove takes only PATH...")
         result = overlay.record(args.paths, args.why, args.refresh, args.remove, args.recipe, manifest, Path(args.overlay_dir))
         say(f"{args.manifest}: {len(result.files)} entries")
+        if Path(args.manifest).resolve() == overlay.MANIFEST_PATH.resolve():
+            # The image's receipt label is derived from the manifest: keep it in step.
+            recipe = load_recipe(args.recipe)
+            (REPO_ROOT / bake.BAKE_JSON).write_text(bake.render_bake_json(recipe))
+            say(f"{bake.BAKE_JSON}: RECEIPT_SHA256 {bake.bake_variables(recipe)['RECEIPT_SHA256']}")
     return overlay.OK
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from dsa_image import image_build
 from dsa_image.bake import bake_variables
+from dsa_image.overlay import predicted_receipt_sha256
 from dsa_image.recipe import load_recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +58,9 @@ def test_each_target_passes_the_recipes_pins_as_args(buildx, target_id):
         "PLATFORMS": ",".join(target.platforms),
         "CUDA_ARCH_LIST": ";".join(target.cuda_arch),
         "EXTRAS_LOCK": target_id if target.extras else "",
+        "RECEIPT_SHA256": predicted_receipt_sha256(RECIPE.id),
+        "VLLM_WHEEL_SHA256_AMD64": RECIPE.wheel("linux/amd64").sha256,
+        "VLLM_WHEEL_SHA256_ARM64": RECIPE.wheel("linux/arm64").sha256,
     }
     assert resolved["tags"] == [f"dsa-image:{RECIPE.vllm_version}-{target_id}"]
     assert resolved["network"] == "default"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dsa_image import image_build
+from dsa_image.overlay import predicted_receipt_sha256
 from dsa_image.recipe import load_recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +57,10 @@ def test_labels_name_the_recipe_and_vllm(docker_client, runtime_image):
     assert labels["dsa-image.cuda-arch"] == ";".join(target.cuda_arch)
     assert labels["org.opencontainers.image.version"] == f"{RECIPE.vllm_version}-sm120"
     assert labels["dsa-image.receipt"] == "/opt/dsa-image/receipt.json"
+    assert labels["dsa-image.receipt.sha256"] == predicted_receipt_sha256(RECIPE.id)
+    for platform, wheel in RECIPE.wheels.items():
+        arch = platform.split("/")[1]
+        assert labels[f"dsa-image.vllm.wheel-sha256.{arch}"] == wheel.sha256
 
 
 def _file_in_image(client, image: str, path: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import overlay
+from dsa_image import overlay, wheels
 from dsa_image.manifest import Entry, Manifest, ManifestError, manifest_bytes, parse_manifest, record_entry
 from dsa_image.recipe import load_recipe
 from dsa_image.wheels import sha256_bytes
@@ -293,6 +293,15 @@ def test_receipts_are_reproducible(tmp_path):
     one, two = snapshot(first.site), snapshot(second.site)
     assert one[overlay.RECEIPT_NAME] == two[overlay.RECEIPT_NAME]
     assert b"time" not in one[overlay.RECEIPT_NAME]
+
+
+def test_the_receipt_is_predicted_from_the_manifest(tree):
+    """The image label carries the receipt's sha256 before the build: it must be exactly the
+    sha256 of the receipt apply then writes, and change when the manifest does."""
+    predicted = overlay.predicted_receipt_sha256("glm5-dsa", tree.manifest_path)
+    tree.apply()
+    assert wheels.sha256_file(tree.site / overlay.RECEIPT_NAME) == predicted
+    assert overlay.predicted_receipt_sha256("another-recipe", tree.manifest_path) != predicted
 
 
 def test_same_path_same_bytes(tmp_path):
