@@ -85,14 +85,14 @@ def compare_runs(stock: dict, ours: dict) -> dict:
     ok = (
         overlay_ran
         and all(r["equal"] and r["syncs_overlay"] == 0 for r in rows)
-        and _overlay_checks_pass(checks)
+        and overlay_checks_pass(checks)
     )
     return {"ok": ok, "scenarios": rows, "checks": checks,
             "env": {k: ours.get(k) for k in ("gpu", "capability", "torch", "indexer_file")},
             "stock_indexer_file": stock.get("indexer_file")}
 
 
-def _overlay_checks_pass(checks: dict) -> bool:
+def overlay_checks_pass(checks: dict) -> bool:
     growth = checks.get("block_table_growth") or {}
     b12x = checks.get("b12x") or {}
     dcp = checks.get("dcp") or {}

@@ -42,7 +42,8 @@ def load_stock_indexer(path: str):
 
 def interleaved_host_us(builds: dict, calls: int = CALLS) -> dict:
     """Median host time per build() for each builder, alternating call by call."""
-    torch = probe._torch()
+    import torch
+
     samples = {name: [] for name in builds}
     gc.disable()
     try:
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
     parser.add_argument("--overlay-checks", action="store_true",
                         help="then the probe's overlay-only checks (width, b12x, DCP)")
     args = parser.parse_args(argv)
+    import torch
     from vllm.v1.attention.backends.mla import indexer as overlay_indexer
 
     stock_indexer = load_stock_indexer(args.stock_indexer)
@@ -85,10 +87,10 @@ def main(argv=None) -> int:
             built = {}
             for name, build in builds.items():
                 md = build()
-                probe._torch().cuda.synchronize()
+                torch.cuda.synchronize()
                 built[name] = {"tensors": probe.flatten_metadata(md),
                                "runner_block_table_width": width,
-                               "true_decode_max_seq_len": probe._true_decode_max(spec, md)}
+                               "true_decode_max_seq_len": probe.true_decode_max(spec, md)}
             differences = compare.compare_scenario(built["stock"], built["overlay"])
             us = interleaved_host_us(builds)
             rows.append({"scenario": spec.name, "next_n": next_n,
@@ -105,10 +107,10 @@ def main(argv=None) -> int:
               "stock_indexer": args.stock_indexer,
               "overlay_indexer": overlay_indexer.__file__}
     if args.overlay_checks:
-        report["block_table_growth"] = probe._guarded(probe.check_block_table_growth, args.model)
-        report["b12x"] = probe._guarded(probe.check_b12x_path, args.model)
-        report["dcp"] = probe._guarded(probe.check_dcp, args.model)
-        report["overlay_checks_pass"] = compare._overlay_checks_pass(report)
+        report["block_table_growth"] = probe.guarded(probe.check_block_table_growth, args.model)
+        report["b12x"] = probe.guarded(probe.check_b12x_path, args.model)
+        report["dcp"] = probe.guarded(probe.check_dcp, args.model)
+        report["overlay_checks_pass"] = compare.overlay_checks_pass(report)
         print(json.dumps({k: report[k] for k in ("block_table_growth", "dcp")}, default=str))
         print("OVERLAY CHECKS:", report["overlay_checks_pass"],
               {k: v.get("syncs") for k, v in report["b12x"].get("scenarios", {}).items()})

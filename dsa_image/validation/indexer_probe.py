@@ -198,7 +198,7 @@ def run_scenarios(model_dir: str) -> dict:
                 "use_flattening": bool(builder.use_flattening),
                 "runner_block_table_width": runner_width,
                 "expanded_block_table_width": int(width),
-                "true_decode_max_seq_len": _true_decode_max(spec, md),
+                "true_decode_max_seq_len": true_decode_max(spec, md),
                 "syncs": syncs,
                 "sync_sites": sync_sites,
                 "host_us": host_time_us(build),
@@ -209,7 +209,7 @@ def run_scenarios(model_dir: str) -> dict:
     return results
 
 
-def _true_decode_max(spec: B.BatchSpec, md) -> int:
+def true_decode_max(spec: B.BatchSpec, md) -> int:
     return int(max(spec.seq_lens[: md.num_decodes], default=0))
 
 
@@ -281,7 +281,7 @@ def check_b12x_path(model_dir: str) -> dict:
                 if md.decode is not None:
                     entry["active_width"] = int(md.decode.active_width.item())
                     entry["max_seq_len"] = md.decode.max_seq_len
-                    entry["true_max"] = _true_decode_max(spec, md)
+                    entry["true_max"] = true_decode_max(spec, md)
                     entry["schedule"] = md.decode.schedule_metadata is not None
                 report["scenarios"][spec.name] = entry
     finally:
@@ -377,17 +377,17 @@ def main(argv=None) -> int:
     results["indexer_file"] = indexer.__file__
     print(f"indexer: {indexer.__file__}", flush=True)
     results["scenarios"] = run_scenarios(args.model)
-    results["block_table_growth"] = _guarded(check_block_table_growth, args.model)
+    results["block_table_growth"] = guarded(check_block_table_growth, args.model)
     if args.overlay_checks:
-        results["b12x"] = _guarded(check_b12x_path, args.model)
-        results["dcp"] = _guarded(check_dcp, args.model)
+        results["b12x"] = guarded(check_b12x_path, args.model)
+        results["dcp"] = guarded(check_dcp, args.model)
     torch.save(results, args.out)
     summary = {k: v for k, v in results.items() if k not in ("scenarios",)}
     print(json.dumps(summary, indent=1, default=str), flush=True)
     return 0
 
 
-def _guarded(check, *args):
+def guarded(check, *args):
     """A failing check is recorded, not fatal: the other checks still run."""
     try:
         return check(*args)
