@@ -155,3 +155,27 @@ def test_dcp_local_lens_match_the_dealing_reference(world, interleave, seq_lens)
     # The ranks together hold every position once.
     totals = sum(indexer.dcp_local_lens(lens, world, r, interleave) for r in range(world))
     assert totals.tolist() == seq_lens
+
+
+def test_a_split_mismatch_names_the_counts_and_first_lengths():
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    query_lens = [1, 1, 300, 2]
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    seq = torch.tensor([700, 12, 300, 4000], dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=torch.from_numpy(qsl), query_start_loc_cpu=torch.from_numpy(qsl),
+        seq_lens=seq, num_reqs=4, num_actual_tokens=304, max_query_len=300, max_seq_len=4000,
+        block_table_tensor=torch.zeros((4, 1), dtype=torch.int32),
+        slot_mapping=torch.zeros((304,), dtype=torch.int64), _seq_lens_cpu=seq)
+    builder = SimpleNamespace(reorder_batch_threshold=1, use_flattening=False)
+    with pytest.raises(RuntimeError) as raised:
+        indexer.DeepseekV32IndexerMetadataBuilder._raise_split_mismatch(
+            builder, cm, query_lens_np=np.array(query_lens), counts=(2, 1, 2, 300))
+    message = str(raised.value)
+    assert "2 decodes + 1 prefills for 4 requests" in message
+    assert "2 + 300 tokens for 304" in message
+    assert "first query lens [1, 1, 300, 2]" in message
+    assert "first seq lens [700, 12, 300, 4000]" in message
