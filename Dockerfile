@@ -80,12 +80,8 @@ RUN --mount=type=bind,from=pins,source=/pins/vllm.txt,target=/tmp/dsa-image/vllm
     pip check
 # The three links FlashInfer's JIT expects of a classic toolkit (docs/image.md). libcuda.so.1
 # is the driver's: the NVIDIA container runtime mounts it at run time, so this one dangles here.
-RUN for f in bin/nvcc lib/libcudart.so.13 include/cuda_runtime.h include/curand.h; do \
-        [[ -e "${CUDA_HOME}/$f" ]] || { echo "pip's CUDA toolkit lacks ${CUDA_HOME}/$f; check the [cuda] pins in the recipe and its lock" >&2; exit 1; }; done; \
-    ln -s lib "${CUDA_HOME}/lib64"; \
-    ln -s libcudart.so.13 "${CUDA_HOME}/lib/libcudart.so"; \
-    mkdir -p "${CUDA_HOME}/lib/stubs"; \
-    ln -s "/usr/lib/$(gcc -dumpmachine)/libcuda.so.1" "${CUDA_HOME}/lib/stubs/libcuda.so"
+RUN --mount=type=bind,source=scripts/link_cuda_toolkit.sh,target=/tmp/dsa-image/link_cuda_toolkit.sh \
+    bash /tmp/dsa-image/link_cuda_toolkit.sh "${CUDA_HOME}" "/usr/lib/$(gcc -dumpmachine)/libcuda.so.1"
 
 # ---------------------------------------------------------------------------------------------
 FROM deps AS extras

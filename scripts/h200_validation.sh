@@ -9,15 +9,16 @@
 #            block-table width, b12x metadata path, DCP) and compare.
 #   prepare  the install phase without the probes (to serve on a fresh machine).
 #   hosttime build() host time, stock and overlay interleaved in one process.
+#   toolchain the smoke test with the image's pip CUDA toolkit as the only toolkit.
 #   serve    stock twice and the overlay once, served side by side
 #            (token equivalence, JIT during inference).
 #   smoke    the smoke test's local runtime against the overlay.
 #
 # Wheels arrive split (scripts/stage_h200_wheels.py) in /tmp/stage. Results go
 # to $OUT (as one tarball plus the summaries: $OUT keeps at most 8 files).
-# Usage: bash scripts/h200_validation.sh prepare|install|serve|hosttime|smoke
+# Usage: bash scripts/h200_validation.sh prepare|install|serve|hosttime|toolchain|smoke
 set -uo pipefail
-phase=${1:?usage: h200_validation.sh prepare|install|serve|hosttime|smoke}
+phase=${1:?usage: h200_validation.sh prepare|install|serve|hosttime|toolchain|smoke}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/out}
 results=/tmp/results
@@ -91,6 +92,29 @@ hosttime() {
   cp "$results/host-time.json" "$out/"
 }
 
+toolchain() {
+  # The image's CUDA toolkit is pip's (the recipe's [cuda] pins) made usable by the same
+  # link script the Dockerfile runs. Serve the overlay with only that toolkit: CUDA_HOME
+  # there, the system CUDA off PATH, empty JIT caches, so DeepGEMM and FlashInfer compile
+  # every kernel with it.
+  log "toolchain: the image's pip CUDA toolkit under the smoke test"
+  rm -rf /tmp/cuda-pip /tmp/home-toolchain
+  python3 -m pip install -q --no-index --no-deps --target /tmp/cuda-pip \
+    $(python3 "$repo/scripts/recipe.py" get cuda.toolkit | sed 's/==.*//; s/-/_/g; s#^#/tmp/wheels/#; s#$#-*.whl#') || exit 1
+  local cuda_home=/tmp/cuda-pip/nvidia/cu13
+  bash "$repo/scripts/link_cuda_toolkit.sh" "$cuda_home" "$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')" || exit 1
+  "$cuda_home/bin/nvcc" --version | tee "$results/toolchain-nvcc.txt"
+  mkdir -p /tmp/home-toolchain
+  (cd /tmp && HOME=/tmp/home-toolchain CUDA_HOME="$cuda_home" \
+    PATH="$cuda_home/bin:$(echo "$PATH" | tr ':' '\n' | grep -v cuda | paste -sd:)" \
+    DG_JIT_CACHE_DIR=/tmp/home-toolchain/deep_gemm python3 "$repo/scripts/smoke.py" --runtime local \
+    --python python3 --site-packages /tmp/site-overlay --target sm90 --out "$results/toolchain" --quiet \
+    -- --enforce-eager --gpu-memory-utilization 0.12) > "$results/toolchain.log" 2>&1
+  echo "toolchain smoke exit: $?" | tee -a "$results/toolchain.log"
+  ls -R /tmp/home-toolchain/deep_gemm 2>/dev/null | head -20 | tee -a "$results/toolchain.log"
+  tail -15 "$results/toolchain.log"
+}
+
 smoke() {
   log "smoke test, local runtime, overlay"
   (cd /tmp && python3 "$repo/scripts/smoke.py" --runtime local --python python3 \
@@ -114,6 +138,7 @@ case $phase in
   install) environment; install; probes; collect ;;
   prepare) environment; install; collect ;;
   hosttime) hosttime ;;
+  toolchain) environment; toolchain; collect ;;
   serve) environment; serve; collect ;;
   smoke) environment; smoke; collect ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;

@@ -6,8 +6,9 @@ repository: the wheels travel as one tarball in parts of 60 MB under ``.stage/``
 
 What goes in: the vLLM wheel the recipe pins (sha256 checked), the serving
 dependencies the H200's Python lacks (docs/validation/h200-serving-wheels.txt),
-and b12x with the CuTe DSL at the versions the sm120 lock pins (for the b12x
-metadata check).
+b12x with the CuTe DSL at the versions the sm120 lock pins (for the b12x
+metadata check), and the image's pip CUDA toolkit (the recipe's [cuda] pins, for
+the toolchain check).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ PLATFORM_ARGS = ["--python-version", "3.12", "--implementation", "cp"] + [
 def requirements() -> list[str]:
     serving = [line.strip() for line in SERVING_LIST.read_text().splitlines()
                if line.strip() and not line.startswith("#")]
-    target = load_recipe().targets["sm120"]
-    pins = lock.parse_lock(lock.target_lock(target, "amd64").read_text())
-    return serving + [f"{name}=={pins[name].version}" for name in FROM_SM120_LOCK]
+    recipe = load_recipe()
+    pins = lock.parse_lock(lock.target_lock(recipe.targets["sm120"], "amd64").read_text())
+    return (serving + [f"{name}=={pins[name].version}" for name in FROM_SM120_LOCK]
+            + list(recipe.cuda_toolkit))
 
 
 def download(into: Path) -> list[Path]:
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
             tar.add(path, arcname=path.name)
     parts = split(bundle, args.out)
     print(f"{len(files)} wheels, {bundle.stat().st_size / 1e6:.0f} MB in {len(parts)} parts "
-          f"under {args.out}; carry one part per device call (the last two fit one call)")
+          f"under {args.out}; carry one part per device call")
     return 0
 
 
