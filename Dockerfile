@@ -168,11 +168,13 @@ RUN --mount=type=bind,source=recipes/locks/dev.txt,target=/tmp/dsa-image/dev.loc
 WORKDIR ${DSA_IMAGE_TOOL}
 # verify: re-hash every overlaid file against the receipt and import each overlaid module in
 # a fresh interpreter, from this vLLM. Then the tests that exercise the installed environment:
-# the overlay tool, the overlaid indexer modules (property tests against this vLLM), the real
-# nvcc + vLLM extensions (arch_check), pip check, the entrypoint.
+# the overlay tool, the overlaid indexer modules (property tests against this vLLM), the GPU
+# validation's comparison, the real nvcc + vLLM extensions (arch_check), pip check, the
+# entrypoint.
 RUN python -B scripts/overlay.py verify --site-packages "${DSA_IMAGE_SITE_PACKAGES}"; \
     python -B -m pytest -p no:cacheprovider -m "not docker and not gpu and not wheel" \
-        tests/test_overlay.py tests/test_indexer_overlay.py tests/test_image_arch_check.py \
+        tests/test_overlay.py tests/test_indexer_overlay.py tests/test_validation.py \
+        tests/test_image_arch_check.py \
         tests/test_image_pip_check.py tests/test_image_entrypoint.py
 
 # ---------------------------------------------------------------------------------------------

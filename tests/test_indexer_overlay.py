@@ -173,9 +173,47 @@ def test_a_split_mismatch_names_the_counts_and_first_lengths():
     builder = SimpleNamespace(reorder_batch_threshold=1, use_flattening=False)
     with pytest.raises(RuntimeError) as raised:
         indexer.DeepseekV32IndexerMetadataBuilder._raise_split_mismatch(
-            builder, cm, query_lens_np=np.array(query_lens), counts=(2, 1, 2, 300))
+            builder, cm, query_start_loc_np=qsl, counts=(2, 1, 2, 300))
     message = str(raised.value)
     assert "2 decodes + 1 prefills for 4 requests" in message
     assert "2 + 300 tokens for 304" in message
     assert "first query lens [1, 1, 300, 2]" in message
     assert "first seq lens [700, 12, 300, 4000]" in message
+
+
+# Query lengths as the runner orders them (decodes, then extends and prefills) and
+# shuffled, with 0-length padding rows; max_query_len as the runner reports it or any
+# other value, since vLLM's split trusts it for its early return.
+split_batches = st.tuples(
+    st.lists(st.integers(0, 9), min_size=1, max_size=40),
+    st.lists(st.integers(0, 3000), max_size=8),
+    st.booleans(),
+    st.integers(1, 9),
+    st.booleans(),
+    st.integers(-2, 2),
+)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(split_batches)
+def test_the_numpy_split_equals_vllms(batch):
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+    short, long, shuffle, threshold, require_uniform, max_query_len_offset = batch
+    query_lens = short + long
+    if shuffle:
+        query_lens = list(reversed(query_lens))
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    max_query_len = max(query_lens) + max_query_len_offset
+    cm = SimpleNamespace(
+        max_query_len=max_query_len, num_reqs=len(query_lens),
+        num_actual_tokens=int(qsl[-1]), query_start_loc_cpu=torch.from_numpy(qsl))
+    want = split_decodes_and_prefills(
+        cm, decode_threshold=threshold, require_uniform=require_uniform)
+    got = indexer.split_decodes_and_prefills_host(
+        qsl, len(query_lens), int(qsl[-1]), max_query_len,
+        decode_threshold=threshold, require_uniform=require_uniform)
+    assert got == want
+    assert all(type(count) is int for count in got)

@@ -257,12 +257,19 @@ def test_local_runtime_reports_an_early_exit(tmp_path, fake_env, monkeypatch):
     assert wait_gone(child_pid(files))
 
 
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @needs_script
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_local_runtime_cleans_up_on_a_signal(tmp_path, fake_env, monkeypatch, sig):
+@pytest.mark.parametrize("sig, sigint_ignored_at_start", [
+    (signal.SIGINT, False), (signal.SIGTERM, False),
+    # As a job started with `&` by a non-interactive shell (a CI step) inherits it.
+    (signal.SIGINT, True)])
+def test_local_runtime_cleans_up_on_a_signal(tmp_path, fake_env, monkeypatch, sig, sigint_ignored_at_start):
     site, files = fake_env
     monkeypatch.setenv("FAKE_VLLM_START_DELAY", "120")  # never healthy while we wait
-    proc = run_local(tmp_path, site, "--quiet")
+    proc = run_local(tmp_path, site, "--quiet", preexec_fn=_ignore_sigint if sigint_ignored_at_start else None)
     deadline = time.monotonic() + 60
     while not Path(files["FAKE_VLLM_CHILD_FILE"]).exists() and time.monotonic() < deadline:
         time.sleep(0.1)

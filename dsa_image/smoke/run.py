@@ -43,7 +43,11 @@ class Server(Protocol):
 
 
 class Interrupted(BaseException):
-    """SIGTERM / SIGHUP: handled like Ctrl-C, so `finally` blocks clean up."""
+    """SIGINT / SIGTERM / SIGHUP, so `finally` blocks clean up.
+
+    SIGINT gets the handler too: Python raises KeyboardInterrupt only when SIGINT was
+    not ignored at start-up, and a job started with `&` by a non-interactive shell
+    (a CI step, nohup) inherits it ignored, so Ctrl-C or `kill -INT` would be lost."""
 
 
 def _raise_interrupted(signum, frame):
@@ -127,7 +131,7 @@ def resolve_target(recipe: Recipe, target_id: str | None, gpu: dict) -> Target:
 def run_smoke(server: Server, report: Report, recipe: Recipe, target_id: str | None, out_dir: Path,
               health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S, request_timeout_s: float = 300.0) -> Report:
     """Run every check against `server`, always stop it, and write the report into `out_dir`."""
-    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     run_start = time.monotonic()
     try:
         _run_checks(server, report, recipe, target_id, health_timeout_s, request_timeout_s)

@@ -3,7 +3,8 @@
 Run once with stock vLLM 0.24.0 and once with our overlay applied (same seed);
 ``compare.py`` then checks them tensor for tensor. Per scenario it records every
 tensor and scalar of the metadata, the number of synchronising CUDA calls during
-``build()`` (``torch.cuda.set_sync_debug_mode``) and the host time per build.
+``build()`` (``torch.cuda.set_sync_debug_mode``). Host time is measured by
+``host_time.py``, with both builders in one process.
 With ``--overlay-checks`` it also runs what only the overlay has: the b12x
 metadata path, the block-table width case, and the DCP metadata references.
 
@@ -17,9 +18,7 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
-import time
 import types
 import warnings
 
@@ -31,7 +30,6 @@ MAX_MODEL_LEN = 8192
 MAX_NUM_BATCHED_TOKENS = 16384
 NUM_BLOCKS = 4096
 SEED = 1234
-HOST_TIME_REPEATS = 300
 
 
 def _torch():
@@ -162,21 +160,6 @@ def count_syncs(fn) -> tuple[int, list[str]]:
     return len(syncs), [f"{w.filename}:{w.lineno}: {w.message}"[:300] for w in syncs[:3]]
 
 
-def host_time_us(fn, repeats: int = HOST_TIME_REPEATS) -> float:
-    """Median host (CPU) time of one call: the GPU is idle when each call
-    starts and its launches stay asynchronous, so this is the time the host
-    spends in build(), not time spent waiting on a full launch queue."""
-    torch = _torch()
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return statistics.median(samples) * 1e6
-
-
 def run_scenarios(model_dir: str) -> dict:
     torch = _torch()
     rng = np.random.default_rng(SEED)
@@ -201,11 +184,9 @@ def run_scenarios(model_dir: str) -> dict:
                 "true_decode_max_seq_len": true_decode_max(spec, md),
                 "syncs": syncs,
                 "sync_sites": sync_sites,
-                "host_us": host_time_us(build),
                 "tensors": flatten_metadata(md),
             }
-            print(f"  {spec.name}: syncs={results[spec.name]['syncs']} "
-                  f"host={results[spec.name]['host_us']:.1f}us", flush=True)
+            print(f"  {spec.name}: syncs={results[spec.name]['syncs']}", flush=True)
     return results
 
 
@@ -276,7 +257,6 @@ def check_b12x_path(model_dir: str) -> dict:
                 torch.cuda.synchronize()
                 syncs, sync_sites = count_syncs(build)
                 entry = {"syncs": syncs, "sync_sites": sync_sites,
-                         "host_us": host_time_us(build, 100),
                          "chunks": len(md.prefill.chunks) if md.prefill else 0}
                 if md.decode is not None:
                     entry["active_width"] = int(md.decode.active_width.item())

@@ -15,10 +15,7 @@ import numpy as np
 import torch
 
 import vllm.envs as envs
-from vllm.logger import init_logger
 from vllm.platforms import current_platform
-
-logger = init_logger(__name__)
 
 # b12x supertiles are whole 512-row tiles; the env value is rounded up.
 SUPERTILE_ALIGNMENT = 512

@@ -24,9 +24,6 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.mla import b12x_indexer
-from vllm.v1.attention.backends.utils import (
-    split_decodes_and_prefills,
-)
 from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.worker.cp_utils import get_total_cp_world_size
 
@@ -120,6 +117,50 @@ def split_indexer_prefill_chunks(
             chunks.append((req_slice, slice(q_off, q_off + sub_m)))
 
     return chunks
+
+
+def split_decodes_and_prefills_host(
+    query_start_loc: np.ndarray,
+    num_reqs: int,
+    num_tokens: int,
+    max_query_len: int,
+    decode_threshold: int,
+    require_uniform: bool,
+) -> tuple[int, int, int, int]:
+    """vLLM's ``split_decodes_and_prefills`` on a numpy view of query starts.
+
+    Same result for the same batch (tested against vLLM's), with short extends
+    counted as decodes as the indexer asks. vLLM's works on torch CPU tensors,
+    whose per-op overhead is several times numpy's on these few-element arrays:
+    this is the decode step's hot path.
+    Returns (num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens).
+    """
+    if max_query_len <= decode_threshold and (
+        not require_uniform or decode_threshold <= 1
+    ):
+        return num_reqs, 0, num_tokens, 0
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    first_len = int(query_lens[0])
+    if first_len > decode_threshold:
+        return 0, num_reqs, 0, num_tokens
+    if require_uniform:
+        # Padded uniform batches (full CUDA graphs) have 0-length requests.
+        is_prefill = (query_lens != first_len) & (query_lens != 0)
+        if not is_prefill.any():
+            return num_reqs, 0, num_tokens, 0
+        is_prefill = query_lens != first_len
+    else:
+        is_prefill = query_lens > decode_threshold
+        if not is_prefill.any():
+            return num_reqs, 0, num_tokens, 0
+    num_decodes = int(is_prefill.argmax())
+    num_decode_tokens = int(query_start_loc[num_decodes])
+    return (
+        num_decodes,
+        num_reqs - num_decodes,
+        num_decode_tokens,
+        num_tokens - num_decode_tokens,
+    )
 
 
 def _as_host_array(values: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -469,7 +510,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         seq_lens: torch.Tensor,
         block_table: torch.Tensor,
         decode_lens: torch.Tensor,
-        decode_lens_np: np.ndarray,
+        expanded_decode_tokens: int,
         query_start_loc: torch.Tensor,
         num_decodes: int,
         num_decode_tokens: int,
@@ -491,15 +532,17 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         the global ones: per-token lengths are expanded from the global lengths,
         then made rank-local.
 
+        ``expanded_decode_tokens`` is the decode rows' query token count (host).
+
         Returns (seq_lens, block_table, decode_lens, batch_size, requires_padding).
         seq_lens is 1D (batch_size,) for flatten/plain, 2D (B, max_decode_len)
         for native MTP.
         """
-        min_decode_len = int(decode_lens_np.min())
+        uniform_decode_lens = expanded_decode_tokens == num_decodes * max_decode_len
         if not use_native and max_decode_len > 1:
             assert self.decode_seq_lens_buffer.dim() == 1
             expanded_block_table = self._expanded_block_table_for(block_table)
-            if min_decode_len == max_decode_len:
+            if uniform_decode_lens:
                 # Uniform decode lengths.
                 num_decode_tokens = num_decodes * max_decode_len
                 _prepare_uniform_decode_kernel[(num_decode_tokens,)](
@@ -537,7 +580,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 # [10-3, 7-1, 12-4, 0-0] = [7, 6, 8, 0].
 
                 # 3 + 1 + 4 + 0 = 8
-                actual_expanded = int(decode_lens_np.sum())
+                actual_expanded = expanded_decode_tokens
 
                 # Fuse expanded_base and expanded_starts into a single
                 # repeat_interleave:
@@ -588,7 +631,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
             # decode_len < next_n due to padding or short prefills), the simple
             # reshape in sparse_attn_indexer won't work. Use pack_seq_triton
             # (requires_padding) instead.
-            requires_padding = min_decode_len != max_decode_len
+            requires_padding = not uniform_decode_lens
             if use_native and next_n > 1:
                 assert self.decode_seq_lens_buffer.dim() == 1
                 # (B, max_decode_len): token j attends to
@@ -622,7 +665,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
     def _raise_split_mismatch(
         self,
         common_attn_metadata: CommonAttentionMetadata,
-        query_lens_np: np.ndarray,
+        query_start_loc_np: np.ndarray,
         counts: tuple[int, int, int, int],
     ) -> None:
         num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = counts
@@ -640,7 +683,8 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
             f"{common_attn_metadata.num_actual_tokens} "
             f"(decode_threshold={self.reorder_batch_threshold}, "
             f"require_uniform={not self.use_flattening}); first query lens "
-            f"{query_lens_np[:8].tolist()}, first seq lens {seq_lens_head}."
+            f"{np.diff(query_start_loc_np[:9]).tolist()}, "
+            f"first seq lens {seq_lens_head}."
         )
 
     def _decode_max_seq_len(
@@ -712,12 +756,9 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         num_reqs = common_attn_metadata.num_reqs
         num_tokens = common_attn_metadata.num_actual_tokens
         query_start_loc = common_attn_metadata.query_start_loc
-        # Host-side batch shape as numpy views of the runner's CPU tensors:
+        # Host-side batch shape as a numpy view of the runner's CPU tensor:
         # nothing below reads a CUDA tensor back (no sync per step).
-        query_start_loc_np = common_attn_metadata.query_start_loc_cpu.numpy()[
-            : num_reqs + 1
-        ]
-        query_lens_np = np.diff(query_start_loc_np)
+        query_start_loc_np = common_attn_metadata.query_start_loc_cpu.numpy()
         seq_lens = common_attn_metadata.seq_lens
         slot_mapping = common_attn_metadata.slot_mapping
         block_table = common_attn_metadata.block_table_tensor
@@ -728,8 +769,11 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         dcp_world_size = self.dcp_world_size if use_dcp_local_kv else 1
         dcp_rank = self.dcp_rank if use_dcp_local_kv else 0
 
-        split = split_decodes_and_prefills(
-            common_attn_metadata,
+        split = split_decodes_and_prefills_host(
+            query_start_loc_np,
+            num_reqs,
+            num_tokens,
+            common_attn_metadata.max_query_len,
             decode_threshold=self.reorder_batch_threshold,
             require_uniform=not self.use_flattening,
         )
@@ -738,7 +782,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
             num_decodes + num_prefills != num_reqs
             or num_decode_tokens + num_prefill_tokens != num_tokens
         ):
-            self._raise_split_mismatch(common_attn_metadata, query_lens_np, split)
+            self._raise_split_mismatch(common_attn_metadata, query_start_loc_np, split)
 
         indexer_slot_mapping = slot_mapping
         compressed_seq_lens = seq_lens
@@ -769,7 +813,8 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 compressed_seq_lens_np = compressed_seq_lens_np // self.compress_ratio
             if use_dcp_local_kv:
                 compressed_seq_lens_np = self._dcp_local(compressed_seq_lens_np)
-            prefill_query_lens_np = query_lens_np[num_decodes:]
+            prefill_starts = query_start_loc_np[num_decodes : num_reqs + 1]
+            prefill_query_lens_np = prefill_starts[1:] - prefill_starts[:-1]
             max_logits_bytes = envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB * 1024 * 1024
             if self.use_b12x:
                 chunk_specs = b12x_indexer.split_prefill_chunks_by_supertile(
@@ -817,7 +862,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 common_attn_metadata,
                 num_decodes,
                 num_decode_tokens,
-                query_lens_np[:num_decodes],
+                query_start_loc_np[: num_decodes + 1],
                 use_dcp_local_kv,
             )
 
@@ -842,7 +887,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         common_attn_metadata: CommonAttentionMetadata,
         num_decodes: int,
         num_decode_tokens: int,
-        decode_lens_np: np.ndarray,
+        decode_starts_np: np.ndarray,
         use_dcp_local_kv: bool,
     ) -> DeepSeekV32IndexerDecodeMetadata:
         torch.diff(
@@ -861,7 +906,11 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         )
         block_table = common_attn_metadata.block_table_tensor[:num_decodes, ...]
 
+        decode_lens_np = decode_starts_np[1:] - decode_starts_np[:-1]
         max_decode_len = int(decode_lens_np.max())
+        # No length exceeds the maximum, so they are all equal exactly when
+        # their sum is num_decodes * max: one subtraction instead of a min().
+        expanded_decode_tokens = int(decode_starts_np[-1] - decode_starts_np[0])
         next_n = 1 + self.num_speculative_tokens
         use_native = not self.use_flattening and max_decode_len <= next_n
 
@@ -870,7 +919,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 seq_lens=seq_lens,
                 block_table=block_table,
                 decode_lens=decode_lens,
-                decode_lens_np=decode_lens_np,
+                expanded_decode_tokens=expanded_decode_tokens,
                 query_start_loc=common_attn_metadata.query_start_loc[:num_decodes],
                 num_decodes=num_decodes,
                 num_decode_tokens=num_decode_tokens,
