@@ -107,10 +107,13 @@ toolchain() {
   mkdir -p /tmp/home-toolchain
   (cd /tmp && HOME=/tmp/home-toolchain CUDA_HOME="$cuda_home" \
     PATH="$cuda_home/bin:$(echo "$PATH" | tr ':' '\n' | grep -v cuda | paste -sd:)" \
-    DG_JIT_CACHE_DIR=/tmp/home-toolchain/deep_gemm python3 "$repo/scripts/smoke.py" --runtime local \
+    DG_JIT_CACHE_DIR=/tmp/home-toolchain/deep_gemm DG_JIT_PRINT_COMPILER_COMMAND=1 \
+    python3 "$repo/scripts/smoke.py" --runtime local \
     --python python3 --site-packages /tmp/site-overlay --target sm90 --out "$results/toolchain" --quiet \
     -- --enforce-eager --gpu-memory-utilization 0.12) > "$results/toolchain.log" 2>&1
   echo "toolchain smoke exit: $?" | tee -a "$results/toolchain.log"
+  # Which compiler built the kernels: DeepGEMM prints each command (DG_JIT_PRINT_COMPILER_COMMAND).
+  grep -o '[^ ]*/nvcc ' "$results/toolchain/server.log" | sort | uniq -c | tee "$results/toolchain-compilers.txt"
   ls -R /tmp/home-toolchain/deep_gemm 2>/dev/null | head -20 | tee -a "$results/toolchain.log"
   tail -15 "$results/toolchain.log"
 }
@@ -126,7 +129,7 @@ smoke() {
 
 collect() {
   for f in metadata-equivalence.json metadata-equivalence.txt serving/serving-equivalence.json \
-           smoke/smoke-report.json environment.txt; do
+           smoke/smoke-report.json toolchain/smoke-report.json toolchain-compilers.txt environment.txt; do
     [ -f "$results/$f" ] && cp "$results/$f" "$out/$phase-$(basename "$f")"
   done
   tar -czf "$out/$phase-results.tgz" -C "$results" --exclude='*.pt' . 2>/dev/null
