@@ -5,7 +5,7 @@
 #   install  reassemble the staged wheels, install stock vLLM 0.24.0 into
 #            /tmp/site-stock, copy it to /tmp/site-overlay and apply our overlay
 #            there with our tool, verify, make the tiny GLM-5; then run the
-#            indexer metadata probe on both (equivalence, syncs, host time,
+#            indexer metadata probe on both (equivalence, syncs,
 #            block-table width, b12x metadata path, DCP) and compare.
 #   prepare  the install phase without the probes (to serve on a fresh machine).
 #   hosttime build() host time, stock and overlay interleaved in one process.
@@ -33,7 +33,9 @@ environment() {
     date -u +%Y-%m-%dT%H:%M:%SZ
     nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader
     python3 -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
-    git -C "$repo" rev-parse HEAD 2>/dev/null || echo "repo: no git"
+    # The device's copy of the repository carries no reliable git state: name the overlay
+    # by its manifest (which hashes every overlaid file).
+    echo "overlay manifest sha256 $(sha256sum "$repo/overlay/manifest.json" | cut -d' ' -f1)"
   } > "$results/environment.txt" 2>&1
   cat "$results/environment.txt"
 }
@@ -99,6 +101,7 @@ toolchain() {
   # every kernel with it.
   log "toolchain: the image's pip CUDA toolkit under the smoke test"
   rm -rf /tmp/cuda-pip /tmp/home-toolchain
+  # shellcheck disable=SC2046  # split on purpose: one wheel glob per recipe pin
   python3 -m pip install -q --no-index --no-deps --target /tmp/cuda-pip \
     $(python3 "$repo/scripts/recipe.py" get cuda.toolkit | sed 's/==.*//; s/-/_/g; s#^#/tmp/wheels/#; s#$#-*.whl#') || exit 1
   local cuda_home=/tmp/cuda-pip/nvidia/cu13
@@ -133,7 +136,8 @@ collect() {
     [ -f "$results/$f" ] && cp "$results/$f" "$out/$phase-$(basename "$f")"
   done
   tar -czf "$out/$phase-results.tgz" -C "$results" --exclude='*.pt' . 2>/dev/null
-  tar -czf "$out/$phase-probes.tgz" -C "$results" $(cd "$results" && ls *.pt 2>/dev/null) 2>/dev/null
+  # shellcheck disable=SC2046  # split on purpose: the probe files, names without spaces
+  tar -czf "$out/$phase-probes.tgz" -C "$results" $(cd "$results" && ls -- *.pt 2>/dev/null) 2>/dev/null
   ls -la "$out"
 }
 

@@ -1,4 +1,5 @@
-"""The GPU validation's pure parts, on the CPU: host-time ordering and verdict, the comparison.
+"""The GPU validation's pure parts, on the CPU: host-time ordering and verdict, the comparison,
+serving's health timing.
 
 The comparison needs torch: it runs in the image's test stage, and skips elsewhere."""
 
@@ -51,3 +52,33 @@ def test_comparison_checks_the_overlays_exact_decode_max():
     stock = _scenario(num_decodes=2)
     wrong = _scenario(num_decodes=2, **{"decode.max_seq_len": 6})
     assert compare.compare_scenario(stock, wrong) == ["decode.max_seq_len 6 != exact 7"]
+
+
+def test_each_server_is_timed_to_its_own_first_healthy_answer(monkeypatch):
+    from dsa_image.validation import serving
+
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr(serving.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(serving.time, "sleep", lambda seconds: None)
+    polls = collections.Counter()
+
+    def healthy_on_poll(server):  # "fast" answers at its first poll, "slow" at its third
+        polls[server["name"]] += 1
+        return polls[server["name"]] >= {"fast": 1, "slow": 3}[server["name"]]
+
+    monkeypatch.setattr(serving, "is_healthy", healthy_on_poll)
+    servers = [{"name": "slow", "started": 0}, {"name": "fast", "started": 0}]
+    after = serving.wait_all_healthy(servers, deadline=500)
+    assert after["fast"] < after["slow"]
+    assert polls == {"slow": 3, "fast": 1}  # a healthy server is not polled again
+
+
+def test_a_server_that_never_answers_is_named(monkeypatch):
+    from dsa_image.validation import serving
+
+    clock = iter(range(0, 1000, 10))
+    monkeypatch.setattr(serving.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(serving.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(serving, "is_healthy", lambda server: server["name"] == "fast")
+    with pytest.raises(TimeoutError, match="slow not healthy in time"):
+        serving.wait_all_healthy([{"name": "slow", "started": 0}, {"name": "fast", "started": 0}], 100)

