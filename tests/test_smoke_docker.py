@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -22,13 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_smoke_fakes import FakeServer, FakeVllm, free_port, startup_log  # noqa: E402
 
 docker = pytest.importorskip("docker", reason="the Docker SDK (`docker`) is in the dev lock")
-from docker.errors import APIError, NotFound  # noqa: E402
+from docker.errors import APIError, DockerException, NotFound  # noqa: E402
 
 from dsa_image.recipe import load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke.docker_runtime import SMOKE_LABEL, DockerServer  # noqa: E402
 from dsa_image.smoke.expect import target_for_capability  # noqa: E402
 from dsa_image.smoke.gpu import capability_of, query_gpus  # noqa: E402
+from dsa_image.smoke.owner import HOST_LABEL, START_LABEL, owner_labels  # noqa: E402
 from dsa_image.smoke.report import REPORT_NAME, Report  # noqa: E402
 from dsa_image.smoke.run import run_smoke  # noqa: E402
 
@@ -53,6 +55,8 @@ class FakeContainer:
     def __init__(self, options, behaviour):
         self.options = options
         self.name = options["name"]
+        self.short_id = self.name[-12:]
+        self.labels = options["labels"]
         self.behaviour = behaviour
         self.status = "created"
         self.removed = False
@@ -102,16 +106,38 @@ class FakeContainer:
         self.removed = True
 
 
+class FakeLeftover:
+    """A container an earlier run left: what the sweep reads of it."""
+
+    def __init__(self, name, labels, status="running"):
+        self.name = name
+        self.short_id = name[-12:]
+        self.labels = labels
+        self.status = status
+        self.removed = False
+
+    def remove(self, force=False):
+        assert force
+        self.removed = True
+
+
 class FakeClient:
-    def __init__(self, port, **behaviour):
+    def __init__(self, port, leftovers=(), **behaviour):
         self.image = FakeImage(port)
         self.behaviour = behaviour
         self.created: list[FakeContainer] = []
+        self.leftovers = list(leftovers)
         self.images = self
         self.containers = self
 
     def get(self, ref):
         return self.image
+
+    def list(self, all=False, filters=None, **kw):
+        if self.behaviour.get("list_error"):
+            raise DockerException(self.behaviour["list_error"])
+        assert all and filters == {"label": SMOKE_LABEL}
+        return [c for c in [*self.leftovers, *self.created] if not c.removed and SMOKE_LABEL in c.labels]
 
     def create(self, **options):
         container = FakeContainer(options, self.behaviour)
@@ -119,9 +145,10 @@ class FakeClient:
         return container
 
 
-def fake_run(tmp_path, port, target="sm90", health_timeout=5.0, **behaviour):
+def fake_run(tmp_path, port, target="sm90", health_timeout=5.0, console=None, **behaviour):
     client = FakeClient(port, **behaviour)
-    server = DockerServer("dsa-image:sm90", [], port, "host", True, tmp_path / "server.log", None, client=client)
+    server = DockerServer("dsa-image:sm90", [], port, "host", True, tmp_path / "server.log", None, client=client,
+                          console=console or io.StringIO())
     server.gpu_info = lambda: {"gpus": [{"name": "NVIDIA H200", "compute_capability": "9.0",
                                          "driver_version": "580"}], "source": "test"}
     report = run_smoke(server, Report(runtime="docker", served_model_name="glm-5"), RECIPE, target, tmp_path,
@@ -137,7 +164,7 @@ def test_fake_docker_good_run_passes_and_removes_the_container(tmp_path):
     assert written["passed"], written["checks"]
     assert container.options["device_requests"][0]["Capabilities"] == [["gpu"]]
     assert container.options["device_requests"][0]["Count"] == -1
-    assert container.options["labels"] == {SMOKE_LABEL: container.name.removeprefix("dsa-smoke-")}
+    assert container.options["labels"] == {SMOKE_LABEL: container.name.removeprefix("dsa-smoke-"), **owner_labels()}
     assert container.options["network_mode"] == "host"
     assert ENTRYPOINT + ["verify"] in container.execs  # the image's own verify, in the running container
     assert written["image"]["id"] == "sha256:" + "1" * 64
@@ -173,6 +200,63 @@ def test_fake_docker_ctrl_c_removes_the_container(tmp_path):
 
     report, container, written = fake_run(tmp_path, free_port(), on_start=interrupt)
     assert written["interrupted"] is True
+
+
+def gone_owner_labels() -> dict[str, str]:
+    """The owner labels of a process that ran and is gone, as a smoke run killed with SIGKILL is."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    labels = owner_labels(child.pid)
+    child.kill()
+    child.wait()
+    return labels
+
+
+def test_fake_docker_removes_leftovers_whose_owner_is_gone_and_names_the_others(tmp_path):
+    gone = FakeLeftover("dsa-smoke-aaaaaaaaaaaa", {SMOKE_LABEL: "aaaaaaaaaaaa", **gone_owner_labels()})
+    # Our own pid with another start time: the pid of a gone run, since reused.
+    reused = FakeLeftover("dsa-smoke-bbbbbbbbbbbb", {SMOKE_LABEL: "bbbbbbbbbbbb", **owner_labels(),
+                                                     START_LABEL: "1"}, status="exited")
+    alive = FakeLeftover("dsa-smoke-cccccccccccc", {SMOKE_LABEL: "cccccccccccc", **owner_labels()})
+    remote = FakeLeftover("dsa-smoke-dddddddddddd", {SMOKE_LABEL: "dddddddddddd",
+                                                     **gone_owner_labels(), HOST_LABEL: "elsewhere"})
+    by_hand = FakeLeftover("dsa-smoke-eeeeeeeeeeee", {SMOKE_LABEL: "tiny-model-check"})
+    leftovers = [gone, reused, alive, remote, by_hand]
+    console = io.StringIO()
+    report, container, written = fake_run(tmp_path, free_port(), health_timeout=0.5, console=console,
+                                          leftovers=leftovers)
+    assert [c.removed for c in leftovers] == [True, True, False, False, False]
+    lines = console.getvalue().splitlines()
+    assert lines[0].startswith(f"smoke: removed smoke container {gone.name} ({gone.short_id}, running): its owner, "
+                               f"process {gone.labels['dsa-image.smoke.pid']} on "), lines
+    assert lines[0].endswith("no longer runs")
+    assert lines[1].startswith(f"smoke: removed smoke container {reused.name}") and "another process" in lines[1]
+    assert lines[2].startswith(f"smoke: kept smoke container {alive.name}") and lines[2].endswith("still runs")
+    assert lines[3].startswith(f"smoke: kept smoke container {remote.name}") and "on another host" in lines[3]
+    assert lines[3].endswith(f"once no smoke run uses it: docker rm -f {remote.name}")
+    assert lines[4].startswith(f"smoke: kept smoke container {by_hand.name}") and "no owning process" in lines[4]
+    assert lines[5] == ("smoke: every smoke container, when no smoke run is going on: "
+                        "docker ps -aq --filter label=dsa-image.smoke | xargs -r docker rm -f")
+    assert len(lines) == 6
+    found = {e["name"]: (e["action"], e["owner"]) for e in written["leftover_containers"]}
+    assert found == {gone.name: ("removed", "gone"), reused.name: ("removed", "gone"), alive.name: ("kept", "alive"),
+                     remote.name: ("kept", "unknown"), by_hand.name: ("kept", "unknown")}
+    # Swept before this run's own container exists: a run never reports its own.
+    assert container.name not in found
+
+
+def test_fake_docker_says_nothing_without_leftovers(tmp_path):
+    console = io.StringIO()
+    report, container, written = fake_run(tmp_path, free_port(), health_timeout=0.5, console=console)
+    assert console.getvalue() == "" and written["leftover_containers"] == []
+
+
+def test_fake_docker_run_goes_on_when_leftovers_cannot_be_listed(tmp_path):
+    console = io.StringIO()
+    report, container, written = fake_run(tmp_path, free_port(), health_timeout=0.5, console=console,
+                                          list_error="permission denied")
+    assert console.getvalue() == ("smoke: could not look for smoke containers left by earlier runs: "
+                                  "permission denied\n")
+    assert "did not answer 200" in written["checks"][0]["reason"]
 
 
 # --- the real engine with a small stand-in image (seconds, not a 10 GB build) ---------------
@@ -276,6 +360,81 @@ def test_stand_in_container_removed_on_a_signal(docker_client, stand_in, tmp_pat
     assert proc.returncode == 130, err
     assert json.loads((tmp_path / "out" / REPORT_NAME).read_text())["interrupted"] is True
     assert smoke_containers(docker_client) == before
+
+
+@pytest.fixture
+def sleeper_image(docker_client, base_image, tmp_path):
+    """An image the harness starts and that never answers /health: `sleep` on the base image,
+    labelled like ours (no Python, no vLLM: it builds in seconds)."""
+    port = free_port()
+    context = tmp_path / "sleeper"
+    context.mkdir()
+    (context / "Dockerfile").write_text(
+        f"FROM {base_image}\n"
+        f"ENV DSA_IMAGE_PORT={port}\n"
+        "LABEL dsa-image.target=sm90\n"
+        'ENTRYPOINT ["sleep", "infinity"]\n'
+    )
+    tag = f"dsa-image-smoke-sleeper:{port}"
+    docker_client.images.build(path=str(context), tag=tag, network_mode="host", rm=True)
+    yield tag
+    docker_client.images.remove(tag, force=True)
+
+
+def container_status(client, name: str) -> str | None:
+    try:
+        return client.containers.get(name).status
+    except NotFound:
+        return None
+
+
+@pytest.mark.docker
+def test_a_container_left_by_a_sigkilled_run_is_removed_by_the_next_run(docker_client, sleeper_image, tmp_path):
+    before = set(smoke_containers(docker_client))
+    sleeper_run = ("--no-gpus", "--target", "sm90", "--quiet")
+    argv = [sys.executable, str(SMOKE), "--runtime", "docker", "--image", sleeper_image, "--out",
+            str(tmp_path / "killed"), "--health-timeout", "600", *sleeper_run]
+    killed = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    left = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            new = set(smoke_containers(docker_client)) - before
+            if new and container_status(docker_client, next(iter(new))) == "running":
+                left = next(iter(new))
+                break
+            time.sleep(0.2)
+        assert left, "the smoke container never ran"
+
+        # Beside a live run, a run keeps that run's container and says whose it is.
+        beside = run_smoke_cli(sleeper_image, tmp_path / "beside", "--health-timeout", "1", *sleeper_run,
+                               timeout=120)
+        assert f"smoke: kept smoke container {left} (" in beside.stderr, beside.stderr
+        assert f"its owner, process {killed.pid} on " in beside.stderr and "still runs" in beside.stderr
+        assert container_status(docker_client, left) == "running"
+
+        killed.kill()
+        killed.wait()
+        # SIGKILL runs no cleanup: the container outlives its run.
+        assert container_status(docker_client, left) == "running"
+
+        after = run_smoke_cli(sleeper_image, tmp_path / "after", "--health-timeout", "1", *sleeper_run,
+                              timeout=120)
+        said = [line for line in after.stderr.splitlines()
+                if line.startswith(f"smoke: removed smoke container {left} (")]
+        assert said, after.stderr
+        assert said[0].endswith(f"its owner, process {killed.pid} on {os.uname().nodename}, no longer runs")
+        assert container_status(docker_client, left) is None
+        report = json.loads((tmp_path / "after" / REPORT_NAME).read_text())
+        assert {e["name"]: e["action"] for e in report["leftover_containers"]}[left] == "removed"
+        # Other smoke runs may share the engine: count only containers of this test's image.
+        assert docker_client.containers.list(all=True, filters={"ancestor": sleeper_image}) == []
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
+        if left and container_status(docker_client, left) is not None:
+            docker_client.containers.get(left).remove(force=True)
 
 
 # --- the real engine and the real image -----------------------------------------------------

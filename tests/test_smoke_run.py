@@ -4,6 +4,7 @@ runtime end to end against a fake `vllm serve` process group."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from dsa_image import tiny_model  # noqa: E402
 from dsa_image.recipe import load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke.report import LOG_NAME, REPORT_NAME, Report  # noqa: E402
-from dsa_image.smoke.run import StartError, run_smoke, wait_healthy  # noqa: E402
+from dsa_image.smoke.run import StartError, print_summary, run_smoke, wait_healthy  # noqa: E402
 from dsa_image.smoke.http import Client  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,6 +138,48 @@ def test_an_early_exit_names_the_exit_code_and_the_log(tmp_path):
     assert not first["passed"] and "exited with code 1" in first["reason"]
     assert "No CUDA GPUs are available" in first["reason"] and "No CUDA GPUs" in written["log_tail"]
     assert server.stops == 1
+
+
+def console_summary(report: Report, tmp_path) -> list[str]:
+    stream = io.StringIO()
+    print_summary(report, tmp_path / REPORT_NAME, stream)
+    return stream.getvalue().splitlines()
+
+
+def test_the_console_shows_why_the_server_never_answered(tmp_path):
+    log = "".join(f"INFO loading shard {i}\n" for i in range(60)) + "RuntimeError: No CUDA GPUs are available\n"
+    report, written = smoke(ScriptedServer(exit_after_polls=1, log=log), tmp_path)
+    lines = console_summary(report, tmp_path)
+    at = next(i for i, line in enumerate(lines) if line.startswith("FAIL server_healthy: "))
+    assert lines[at].endswith("before /health answered; log tail:")
+    # The tail's last 40 lines follow it, the error last; where the rest is, above them.
+    assert lines[at + 1] == (f"  | ... 21 earlier lines in {tmp_path / REPORT_NAME}, "
+                             f"the whole log in {tmp_path / LOG_NAME}")
+    assert lines[at + 2:at + 42] == [f"  | INFO loading shard {i}" for i in range(21, 60)] + [
+        "  | RuntimeError: No CUDA GPUs are available"]
+    assert lines[at + 42].startswith("FAIL models: not run")
+
+
+def test_the_console_shows_a_timeouts_log_tail(tmp_path):
+    report, written = smoke(ScriptedServer(log="INFO compiling CUDA graphs\n"), tmp_path, health_timeout=0.5)
+    lines = console_summary(report, tmp_path)
+    at = lines.index(next(line for line in lines if line.startswith("FAIL server_healthy: ")))
+    assert lines[at + 1] == "  | INFO compiling CUDA graphs"
+
+
+def test_the_console_says_so_when_the_server_wrote_nothing(tmp_path):
+    report, written = smoke(ScriptedServer(exit_after_polls=1, log=""), tmp_path)
+    lines = console_summary(report, tmp_path)
+    at = lines.index(next(line for line in lines if line.startswith("FAIL server_healthy: ")))
+    assert lines[at + 1] == "  | (the server wrote nothing to its log)"
+
+
+def test_the_console_keeps_a_passed_check_to_one_line(tmp_path):
+    log = "\n".join(startup_log("FLASHMLA_SPARSE", "deepgemm"))
+    with FakeServer(FakeVllm()) as fake:
+        report, written = smoke(ScriptedServer(fake.base_url, log=log, verify=(0, "ok\nsecond line")), tmp_path)
+    lines = console_summary(report, tmp_path)
+    assert written["passed"] and not any(line.startswith("  | ") for line in lines), lines
 
 
 def test_a_server_that_never_gets_healthy_times_out_and_is_stopped(tmp_path):
@@ -254,6 +297,9 @@ def test_local_runtime_reports_an_early_exit(tmp_path, fake_env, monkeypatch):
     assert proc.returncode == 1
     assert "exited with code 3" in report["checks"][0]["reason"]
     assert "No CUDA GPUs are available" in report["log_tail"]
+    # --quiet silences the server's log as it comes, not the reason the run failed.
+    assert "log tail:\n  | INFO fake vllm serve" in err, err
+    assert "\n  | ERROR RuntimeError: No CUDA GPUs are available\n" in err, err
     assert wait_gone(child_pid(files))
 
 

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from dsa_image.recipe import DEFAULT_RECIPE, RecipeError, load_recipe
+from dsa_image.smoke.owner import CLEANUP_COMMAND
 from dsa_image.smoke.report import LOG_NAME, REPORT_NAME, Report
 from dsa_image.smoke.run import DEFAULT_HEALTH_TIMEOUT_S, StartError, print_summary, run_smoke, resolve_target
 from dsa_image.tiny_model import TinyModelError, write_model
@@ -21,7 +22,9 @@ Arguments after `--` go to the server (`vllm serve`), e.g. -- --enforce-eager --
 
 Writes DIR/{REPORT_NAME} (every check with its reason, GPU, image, versions, timings) and
 DIR/{LOG_NAME} (the server's whole log). The container or process group is removed / killed
-on success, failure, timeout, Ctrl-C and SIGTERM.
+on success, failure, timeout, Ctrl-C and SIGTERM. A container left by a docker run killed with
+SIGKILL is removed by the next docker run once its owner is gone; others are named and kept.
+Every smoke container, when no smoke run is going on: {CLEANUP_COMMAND}
 
 exit codes:
   0  every check passed

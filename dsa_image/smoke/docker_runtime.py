@@ -2,13 +2,16 @@
 
 The container is created, then started, as two steps: when the start fails (no GPU, no
 NVIDIA runtime) the created container still exists, and `stop` removes it. Every container
-carries the label SMOKE_LABEL, so a test can prove none is left behind.
+carries the label SMOKE_LABEL, so a test can prove none is left behind, and the labels naming
+the process that owns it (`owner.py`): a run killed with SIGKILL cannot remove its container,
+so each run, before starting its own, removes those whose owner is gone and names the others.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import sys
 import tarfile
 import uuid
 from pathlib import Path, PurePosixPath
@@ -19,10 +22,12 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest
 
 from dsa_image.smoke.gpu import host_runner, query_gpus
+from dsa_image.smoke.owner import (ALIVE, CLEANUP_COMMAND, GONE, RUN_LABEL, UNKNOWN, Host, judge, owner_labels,
+                                   this_host)
 from dsa_image.smoke.report import Report
 from dsa_image.smoke.run import LogFollower, StartError
 
-SMOKE_LABEL = "dsa-image.smoke"
+SMOKE_LABEL = RUN_LABEL
 RECEIPT_PATH = "/opt/dsa-image/receipt.json"
 # The image's entrypoint offers `verify` (receipt hash + scripts/overlay.py verify against the
 # image's own site-packages): exec'd in the running container, it checks the code that serves.
@@ -34,9 +39,46 @@ def image_env(image) -> dict[str, str]:
     return {k: v for k, v in pairs}
 
 
+def sweep_leftovers(client, console: IO[str], host: Host | None = None) -> list[dict]:
+    """Remove the smoke containers whose owning run is gone; name every one found, one line
+    each on `console`, removed or kept and why. What was found, for the report."""
+    host = host or this_host()
+    try:
+        containers = client.containers.list(all=True, filters={"label": SMOKE_LABEL}, ignore_removed=True)
+    except DockerException as e:
+        console.write(f"smoke: could not look for smoke containers left by earlier runs: {e}\n")
+        return []
+    found = []
+    for container in containers:
+        labels = container.labels or {}
+        verdict = judge(labels, host)
+        entry = {"name": container.name, "id": container.short_id, "status": container.status,
+                 "run": labels.get(SMOKE_LABEL), "owner": verdict.state, "why": verdict.why}
+        what = f"smoke container {container.name} ({container.short_id}, {container.status})"
+        if verdict.state == GONE:
+            try:
+                container.remove(force=True)
+                entry["action"] = "removed"
+            except NotFound:
+                entry["action"] = "removed"  # another run swept it first
+            except DockerException as e:
+                entry["action"] = "kept"
+                entry["why"] += f"; removing it failed: {e}"
+        else:
+            entry["action"] = "kept"
+        line = f"smoke: {entry['action']} {what}: {entry['why']}"
+        if entry["action"] == "kept" and verdict.state != ALIVE:
+            line += f"; once no smoke run uses it: docker rm -f {container.name}"
+        console.write(line + "\n")
+        found.append(entry)
+    if any(e["action"] == "kept" and e["owner"] == UNKNOWN for e in found):
+        console.write(f"smoke: every smoke container, when no smoke run is going on: {CLEANUP_COMMAND}\n")
+    return found
+
+
 class DockerServer:
     def __init__(self, image_ref: str, command: list[str], port: int, network: str, gpus: bool,
-                 log_path: Path, echo: IO[str] | None, client=None):
+                 log_path: Path, echo: IO[str] | None, client=None, console: IO[str] | None = None):
         self.image_ref = image_ref
         self.command = command
         self.port = port
@@ -44,6 +86,10 @@ class DockerServer:
         self.gpus = gpus
         self.log_path = log_path
         self.echo = echo
+        # What the run itself says (leftover containers): shown even with --quiet, which
+        # silences only the server's log.
+        self.console = console
+        self.leftovers: list[dict] = []
         self.run_id = uuid.uuid4().hex[:12]
         self.client = client
         self.image = None
@@ -79,9 +125,10 @@ class DockerServer:
     def start(self) -> None:
         image = self._image()
         self.verify_command = "docker exec CONTAINER " + " ".join(self.verify_argv())
+        self.leftovers = sweep_leftovers(self._client(), self.console or sys.stderr)
         options = dict(
             image=image.id, command=self.command or None, detach=True, name=f"dsa-smoke-{self.run_id}",
-            labels={SMOKE_LABEL: self.run_id}, ipc_mode="host",  # vLLM's workers share memory
+            labels={SMOKE_LABEL: self.run_id, **owner_labels()}, ipc_mode="host",  # vLLM's workers share memory
         )
         if self.gpus:
             options["device_requests"] = [DeviceRequest(count=-1, capabilities=[["gpu"]])]
@@ -169,6 +216,7 @@ class DockerServer:
             "labels": {k: v for k, v in labels.items() if k.startswith(("dsa-image.", "org.opencontainers."))},
             "container": self.container.name if self.container is not None else None,
         }
+        report.leftovers = self.leftovers
         if labels.get("dsa-image.vllm.version"):
             report.versions["vllm_image_label"] = labels["dsa-image.vllm.version"]
 

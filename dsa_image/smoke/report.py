@@ -58,6 +58,8 @@ class Report:
     started_at: str = field(default_factory=utc_now)
     finished_at: str | None = None
     interrupted: bool = False
+    # Docker: the smoke containers of earlier runs found at start, removed or kept and why.
+    leftovers: list[dict] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -84,6 +86,7 @@ class Report:
             "failed_checks": [c.name for c in self.checks if not c.passed],
             "errors": self.errors,
             "interrupted": self.interrupted,
+            "leftover_containers": self.leftovers,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "log_file": LOG_NAME,

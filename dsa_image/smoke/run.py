@@ -16,10 +16,13 @@ from dsa_image.smoke import checks as C
 from dsa_image.smoke.expect import capability_problem, expected_for, target_for_capability
 from dsa_image.smoke.gpu import capability_of
 from dsa_image.smoke.http import Client
-from dsa_image.smoke.report import Report, log_tail, summarize_receipt, write_report
+from dsa_image.smoke.report import LOG_NAME, Report, log_tail, summarize_receipt, write_report
 
 DEFAULT_HEALTH_TIMEOUT_S = 600.0
 POLL_S = 1.0
+# A failed check's reason past its first line (the server log's tail, a tool's output), on the
+# console: enough to see why, bounded so it does not bury the summary; the report has the rest.
+SUMMARY_REASON_LINES = 40
 
 
 class StartError(Exception):
@@ -108,13 +111,18 @@ def wait_healthy(server: Server, client: Client, timeout_s: float,
         if code is not None:
             return C.Check("server_healthy", False,
                            f"the server exited with code {code} after {clock() - start:.1f} s, before /health "
-                           f"answered; log tail:\n{log_tail(server.log_text(), 3000)}", clock() - start,
+                           f"answered; log tail:\n{_startup_tail(server)}", clock() - start,
                            {"exit_code": code})
         if clock() - start > timeout_s:
             return C.Check("server_healthy", False,
                            f"/health did not answer 200 within {timeout_s:.0f} s (raise --health-timeout for big "
-                           f"models); log tail:\n{log_tail(server.log_text(), 3000)}", clock() - start)
+                           f"models); log tail:\n{_startup_tail(server)}", clock() - start)
         sleep(POLL_S)
+
+
+def _startup_tail(server: Server) -> str:
+    # An empty tail would read as if it had been lost: say that the server wrote nothing.
+    return log_tail(server.log_text(), 3000).strip("\n") or "(the server wrote nothing to its log)"
 
 
 def resolve_target(recipe: Recipe, target_id: str | None, gpu: dict) -> Target:
@@ -226,8 +234,15 @@ def _fill_not_run(report: Report) -> None:
 def print_summary(report: Report, report_path: Path, stream: IO[str] = sys.stderr) -> None:
     for check in report.checks:
         mark = "PASS" if check.passed else "FAIL"
-        first_line = check.reason.splitlines()[0] if check.reason else ""
+        first_line, *rest = check.reason.splitlines() or [""]
         stream.write(f"{mark} {check.name}: {first_line}\n")
+        if check.passed or not rest:
+            continue
+        if len(rest) > SUMMARY_REASON_LINES:
+            stream.write(f"  | ... {len(rest) - SUMMARY_REASON_LINES} earlier lines in {report_path}, "
+                         f"the whole log in {report_path.parent / LOG_NAME}\n")
+            rest = rest[-SUMMARY_REASON_LINES:]
+        stream.writelines(f"  | {line}\n" for line in rest)
     for error in report.errors:
         stream.write(f"ERROR {error}\n")
     stream.write(f"{'PASSED' if report.passed else 'FAILED'}: report {report_path}\n")
