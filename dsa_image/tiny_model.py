@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-# The tiny GLM-5 config (shared/reference/tiny-glm5-config.json): it fits every kernel-imposed
+# The tiny GLM-5 config (vendored as tests/data/tiny-glm5-config.json): it fits every kernel-imposed
 # shape below. Key order is kept as written so the file reads like the reference.
 CONFIG: dict = {
     "architectures": ["GlmMoeDsaForCausalLM"],
@@ -133,7 +133,7 @@ class TinyModelError(Exception):
 def kernel_shape_problems(config: dict) -> list[str]:
     """Every way `config` breaks the shapes vLLM 0.24.0's GLM-5 kernels impose (empty: fits).
 
-    Sources: shared/reference/README.md, "Serving GLM-5 with vLLM 0.24.0".
+    Sources: docs/decisions.md, "Kernel-imposed shapes".
     """
     problems = []
 
