@@ -9,6 +9,11 @@ resolver (uv pip compile --generate-hashes) into recipes/locks/:
                        resolved with the common lock as constraints so that it never moves a
                        pin of the common lock (the Dockerfile installs it on top)
   dev.txt              the test runner's venv (requirements-dev.in)
+  SHA256SUMS           the sha256 of each lock above, as written
+
+Every hash in a lock comes from the index, through the resolver (`resolver_seed` keeps the
+previous lock's versions but never its hashes), except the vllm pin's: it carries exactly the
+sha256 of the recipe's wheel for that arch, computed from the downloaded file.
 """
 
 from __future__ import annotations
@@ -18,17 +23,22 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import registry, wheels
-from .recipe import ARCH_OF_PLATFORM, REPO_ROOT, Recipe, Target, set_base_digest, set_wheel_sha256
+from .recipe import ARCH_OF_PLATFORM, REPO_ROOT, Recipe, Target, Wheel, set_base_digest, set_wheel_sha256
 
 REQUIREMENTS_DIR = Path("recipes/requirements")
 LOCKS_DIR = Path("recipes/locks")
 DEV_IN = Path("requirements-dev.in")
 DEV_LOCK = LOCKS_DIR / "dev.txt"
 COMPILE_COMMAND = "python3 scripts/recipe.py lock"
+# sha256 of every lock as `lock` wrote it: `check` (offline) notices any later edit of a lock.
+LOCK_SUMS = LOCKS_DIR / "SHA256SUMS"
+CHECK_ONLINE_COMMAND = "python3 scripts/recipe.py check --online"
+VLLM = "vllm"
 PYTHON_PLATFORM = {"amd64": "x86_64-manylinux_2_28", "arm64": "aarch64-manylinux_2_28"}
 _GENERATED = "# Generated from recipes/{recipe}.toml by `python3 scripts/recipe.py lock`. Do not edit.\n"
 
@@ -140,6 +150,83 @@ def run_resolver(job: LockJob, python_version: str, uv: str, root: Path = REPO_R
         raise LockError(f"resolving {job.output} failed ({' '.join(argv)}):\n{done.stderr.strip()}")
 
 
+def resolver_seed(text: str) -> str:
+    """A lock reduced to its pins, no hashes: what the resolver reads back as preferences.
+
+    uv keeps the versions of an existing output file (so `lock` does not move pins) but also
+    reuses its hashes: seeded with a hand-edited lock, the edited hash would survive `lock`.
+    Seeded with this, every hash comes from the index again."""
+    pins = []
+    for line in text.splitlines():
+        match = _LOCK_REQUIREMENT.match(line)
+        if match and not _has_option(line):
+            pins.append(f"{match.group(1)}=={match.group(2)}{match.group(3) or ''}\n")
+    return "".join(pins)
+
+
+def pin_vllm_wheel(text: str, wheel: Wheel, where: Path) -> str:
+    """The resolver's lock with the vllm pin narrowed to the one hash of the recipe's wheel.
+
+    uv writes a hash for every file of the release (the other platform's wheel and the sdist
+    too): with those, `pip install --require-hashes` would also accept a source build of vLLM.
+    The image installs exactly the wheel `lock` downloaded and whose sha256 the recipe records."""
+    if not wheel.sha256:
+        raise LockError(f"{where}: the recipe has no sha256 for {wheel.filename}; `lock` downloads it first")
+    lines = text.splitlines(keepends=True)
+    out: list[str] = []
+    found = False
+    i = 0
+    while i < len(lines):
+        match = _LOCK_REQUIREMENT.match(lines[i].rstrip("\n"))
+        if not (match and normalize(match.group(1)) == VLLM):
+            out.append(lines[i])
+            i += 1
+            continue
+        hashes = []
+        i += 1
+        while i < len(lines) and (digest := _LOCK_HASH.match(lines[i].rstrip("\n"))):
+            hashes.append(digest.group(1))
+            i += 1
+        if wheel.sha256 not in hashes:
+            raise LockError(
+                f"{where}: the resolver's {match.group(1)}=={match.group(2)} has no file with the recipe's "
+                f"{wheel.filename} sha256 {wheel.sha256} (it has: {', '.join(hashes) or 'none'}); the recipe and "
+                "the index disagree: re-run the whole `python3 scripts/recipe.py lock`")
+        out += [lines[i - len(hashes) - 1], f"    --hash=sha256:{wheel.sha256}\n"]
+        found = True
+    if not found:
+        raise LockError(f"{where}: the resolver's output has no vllm pin to narrow to {wheel.filename}")
+    return "".join(out)
+
+
+def resolve(job: LockJob, recipe: Recipe, uv: str, root: Path = REPO_ROOT) -> None:
+    """One lock as `lock` writes it: resolved with the previous lock's versions (never its
+    hashes) as preferences, the vllm pin narrowed to the recipe's wheel. On failure the
+    previous lock is put back."""
+    output = root / job.output
+    previous = output.read_text() if output.exists() else None
+    if previous is not None:
+        output.write_text(resolver_seed(previous))
+    done = False
+    try:
+        run_resolver(job, recipe.python, uv, root)
+        if job.arch:
+            output.write_text(pin_vllm_wheel(output.read_text(), recipe.wheel(job.arch), job.output))
+        done = True
+    finally:
+        if not done and previous is not None:
+            output.write_text(previous)
+
+
+def lock_sums(recipe: Recipe, root: Path = REPO_ROOT) -> str:
+    """recipes/locks/SHA256SUMS as `lock` writes it (`sha256sum -c` reads it too)."""
+    return "".join(f"{wheels.sha256_bytes((root / p).read_bytes())}  {p.name}\n" for p in expected_locks(recipe))
+
+
+def write_lock_sums(recipe: Recipe, root: Path = REPO_ROOT) -> None:
+    (root / LOCK_SUMS).write_text(lock_sums(recipe, root))
+
+
 def lock_wheel_pins(text: str, recipe: Recipe, report) -> str:
     """Download every listed vLLM wheel, return the recipe text with their computed sha256."""
     for platform, wheel in recipe.wheels.items():
@@ -243,8 +330,189 @@ def _expect_pin(pins: dict[str, Pin], pin: str, where: Path) -> list[str]:
     return []
 
 
+_REGENERATE = f"run `{COMPILE_COMMAND}` (never edit a lock by hand)"
+
+# The only lines `uv pip compile --generate-hashes` writes; `scan_lock` refuses any other, since
+# pip would read it (an inline --hash, an index option, a sha512 hash) and no rule here would.
+_LOCK_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)(\s+;[^\\]*?)?(\s+\\)?$")
+_LOCK_HASH = re.compile(r"^\s+--hash=sha256:([0-9a-f]{64})(\s+\\)?$")
+_LOCK_COMMENT = re.compile(r"^\s*(#.*)?$")
+
+
+def _has_option(line: str) -> bool:
+    """pip reads every whitespace-separated token from the first one starting with '-' as
+    options of the requirement (--hash=..., --index-url ...)."""
+    return any(token.startswith("-") for token in line.split()[1:])
+
+
+@dataclass(frozen=True)
+class LockedPin:
+    """A requirement of a lock, with where it is: its line and each hash's line."""
+
+    name: str
+    version: str
+    marker: str  # "" or the environment marker (universal locks pin a name once per marker)
+    line: int
+    hashes: dict[str, int]  # sha256 -> line number
+
+    @property
+    def pin(self) -> Pin:
+        return Pin(self.version, frozenset(self.hashes))
+
+
+def scan_lock(text: str, where: Path) -> tuple[list[LockedPin], list[str]]:
+    """(pins in file order, problems) of a lock, strictly: a line uv does not write, a second
+    requirement for a name and marker or a pin without a hash is a problem (file:line)."""
+    pins: dict[tuple[str, str], LockedPin] = {}
+    problems: list[str] = []
+    current: LockedPin | None = None
+    continued = False  # the previous line ended in a backslash: pip joins this one to it
+    refused = False  # ... to a line already reported: the rest of it is not reported again
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
+        if refused:
+            refused = continued = line.rstrip().endswith("\\")
+            continue
+        digest = _LOCK_HASH.match(line)
+        if digest and continued and current is not None:
+            current.hashes.setdefault(digest.group(1), number)
+            continued = bool(digest.group(2))
+            continue
+        if not continued:
+            if _LOCK_COMMENT.match(line):
+                current = None
+                continue
+            requirement = _LOCK_REQUIREMENT.match(line)
+            if requirement and not _has_option(line):
+                name = normalize(requirement.group(1))
+                marker = (requirement.group(3) or "").strip().removeprefix(";").strip()
+                current = LockedPin(name, requirement.group(2), marker, number, {})
+                if (name, marker) in pins:
+                    problems.append(f"{where}:{number}: a second requirement for {name} (the first is on line "
+                                    f"{pins[name, marker].line}); pip would merge their hashes; {_REGENERATE}")
+                else:
+                    pins[name, marker] = current
+                continued = bool(requirement.group(4))
+                continue
+        inside = continued and current is not None  # the requirement's hashes go on after it
+        joined = " (pip joins it to the requirement above)" if continued else ""
+        problems.append(f"{where}:{number}: `{line.strip()}` is not a line `uv pip compile --generate-hashes` "
+                        f"writes{joined}: only `name==version [; marker] \\`, `    --hash=sha256:<64 hex>` "
+                        f"and comments are; {_REGENERATE}")
+        continued = line.rstrip().endswith("\\")
+        if not inside:
+            current = None
+            refused = continued
+    if continued:
+        problems.append(f"{where}:{len(lines)}: the lock ends in a continued line; {_REGENERATE}")
+    for pin in pins.values():
+        if not pin.hashes:
+            problems.append(f"{where}:{pin.line}: {pin.name}=={pin.version} has no --hash, so "
+                            f"`pip install --require-hashes` refuses the lock; {_REGENERATE}")
+    return list(pins.values()), problems
+
+
+def _by_name(pins: list[LockedPin]) -> dict[str, Pin]:
+    """{name: Pin} of a lock for one platform (no name twice there)."""
+    found: dict[str, Pin] = {}
+    for pin in pins:
+        found.setdefault(pin.name, pin.pin)
+    return found
+
+
+def _places(places: list[tuple[Path, int]]) -> str:
+    return ", ".join(f"{path}:{line}" for path, line in places)
+
+
+def _hash_list(hashes) -> str:
+    return ", ".join(f"--hash=sha256:{h}" for h in sorted(hashes))
+
+
+def _sums_problems(expected: list[Path], present: list[Path], root: Path) -> list[str]:
+    """Each lock must have the sha256 `lock` recorded for it in SHA256SUMS."""
+    if not (root / LOCK_SUMS).is_file():
+        return [f"{LOCK_SUMS}: missing; {_REGENERATE}"]
+    problems = []
+    recorded: dict[str, tuple[str, int]] = {}
+    for number, line in enumerate((root / LOCK_SUMS).read_text().splitlines(), 1):
+        match = re.fullmatch(r"([0-9a-f]{64})  (\S+)", line)
+        if match:
+            recorded[match.group(2)] = (match.group(1), number)
+        else:
+            problems.append(f"{LOCK_SUMS}:{number}: not `<sha256>  <lock file name>`; {_REGENERATE}")
+    for path in expected:
+        entry = recorded.pop(path.name, None)
+        if path not in present:
+            continue
+        found = wheels.sha256_bytes((root / path).read_bytes())
+        if entry is None:
+            problems.append(f"{LOCK_SUMS}: no line for {path.name} (expected `{found}  {path.name}`); {_REGENERATE}")
+        elif entry[0] != found:
+            problems.append(
+                f"{path}: its sha256 is {found}, {LOCK_SUMS}:{entry[1]} records {entry[0]} as `lock` wrote it: "
+                f"the lock changed since. `{CHECK_ONLINE_COMMAND}` names every hash the index does not list; "
+                f"{_REGENERATE}")
+    problems += [f"{LOCK_SUMS}:{number}: {name} is not a lock the recipe generates; {_REGENERATE}"
+                 for name, (_, number) in sorted(recorded.items())]
+    return problems
+
+
+def _vllm_problems(recipe: Recipe, scans: dict[Path, list[LockedPin]]) -> list[str]:
+    """In every lock of an arch, vllm carries exactly one hash: the recipe's wheel's."""
+    problems = []
+    for job in lock_jobs(recipe):
+        if not job.arch:
+            continue
+        for pin in scans.get(job.output, []):  # a missing pin is reported with the recipe's other pins
+            if pin.name == VLLM:
+                problems += _vllm_pin_problems(recipe, recipe.wheel(job.arch), job.output, pin)
+    return problems
+
+
+def _vllm_pin_problems(recipe: Recipe, wheel: Wheel, path: Path, pin: LockedPin) -> list[str]:
+    if not wheel.sha256:
+        return [f"{_shown(recipe.path)}: no sha256 for {wheel.filename}; {_REGENERATE}"]
+    problems = []
+    for digest, line in sorted(pin.hashes.items(), key=lambda item: item[1]):
+        if digest != wheel.sha256:
+            problems.append(
+                f"{path}:{line}: vllm=={pin.version} carries --hash=sha256:{digest}, expected only "
+                f"--hash=sha256:{wheel.sha256} (the recipe's {wheel.filename}, hashed from the file `lock` "
+                f"downloaded): any other hash widens what `pip install --require-hashes` accepts; {_REGENERATE}")
+    if wheel.sha256 not in pin.hashes:
+        problems.append(f"{path}:{pin.line}: vllm=={pin.version} lacks --hash=sha256:{wheel.sha256} "
+                        f"(the recipe's {wheel.filename}); {_REGENERATE}")
+    return problems
+
+
+def _consistency_problems(scans: dict[Path, list[LockedPin]]) -> list[str]:
+    """A release has the same files on the index whichever lock pins it, and uv writes one hash
+    per file: the same name==version must carry the same hashes in every lock (vllm aside,
+    narrowed per arch and checked against the recipe)."""
+    seen: dict[tuple[str, str], dict[frozenset[str], list[tuple[Path, int]]]] = {}
+    for path, pins in scans.items():
+        for pin in pins:
+            if pin.name != VLLM:
+                seen.setdefault((pin.name, pin.version), {}).setdefault(frozenset(pin.hashes), []).append((path, pin.line))
+    problems = []
+    for (name, version), groups in seen.items():
+        if len(groups) < 2:
+            continue
+        shared = frozenset.intersection(*groups)
+        ordered = sorted(groups.items(), key=lambda item: (len(item[1]), str(item[1][0][0])))
+        parts = [f"{_places(places)} {'has' if len(places) == 1 else 'have'} "
+                 f"{_hash_list(hashes - shared) if hashes - shared else 'no hash beyond the ones all share'}"
+                 for hashes, places in ordered]
+        problems.append(
+            f"{name}=={version} has different hashes in different locks, where `lock` writes the same ones "
+            f"(one per file the index lists for that release): {'; '.join(parts)}. `{CHECK_ONLINE_COMMAND}` "
+            f"names the one the index does not list; {_REGENERATE}")
+    return problems
+
+
 def lock_problems(recipe: Recipe, root: Path = REPO_ROOT) -> list[str]:
-    """Everything that makes the committed locks disagree with the recipe, one line each."""
+    """Everything that makes the committed locks disagree with the recipe or with what `lock`
+    wrote, one line each (offline: see `online_problems` for the index)."""
     problems = []
     expected = expected_locks(recipe)
     present = {p.relative_to(root) for p in (root / LOCKS_DIR).glob("*.txt")}
@@ -255,28 +523,92 @@ def lock_problems(recipe: Recipe, root: Path = REPO_ROOT) -> list[str]:
     for path, text in locks.items():
         if COMPILE_COMMAND not in text.split("\n\n", 1)[0]:
             problems.append(f"{path}: header does not name `{COMPILE_COMMAND}`")
+    scans: dict[Path, list[LockedPin]] = {}
+    for path, text in locks.items():
+        scans[path], syntax = scan_lock(text, path)
+        problems += syntax
+    problems += _sums_problems(expected, list(locks), root)
     torch_pins = {o for t in recipe.targets.values() for o in t.overrides if _split_pin(o)[0] == "torch"}
     for platform in recipe.platforms:
         arch = ARCH_OF_PLATFORM[platform]
         common_path = common_lock(arch)
-        if common_path not in locks:
+        if common_path not in scans:
             continue
-        common = parse_lock(locks[common_path])
-        wheel = recipe.wheels[platform]
-        vllm = common.get("vllm")
-        problems += _expect_pin(common, f"vllm=={recipe.vllm_version}", common_path)
-        if vllm and wheel.sha256 not in vllm.hashes:
-            problems.append(f"{common_path}: vllm hashes do not include the recipe's {wheel.filename} sha256 {wheel.sha256 or '(empty)'}")
+        common = _by_name(scans[common_path])
+        problems += _expect_pin(common, f"{VLLM}=={recipe.vllm_version}", common_path)
         for pin in (*recipe.cuda_toolkit, *torch_pins):
             problems += _expect_pin(common, pin, common_path)
         for target in recipe.targets.values():
             path = target_lock(target, arch)
-            if not target.extras or platform not in target.platforms or path not in locks:
+            if not target.extras or platform not in target.platforms or path not in scans:
                 continue
-            full = parse_lock(locks[path])
+            full = _by_name(scans[path])
             for name, pin in sorted(common.items()):
-                if full.get(name) != pin:
+                # hashes: _consistency_problems and _vllm_problems say which ones differ
+                if name not in full or full[name].version != pin.version:
                     problems.append(f"{path}: {name} differs from {common_path} (the extras lock must only add packages)")
             for extra in target.extras:
                 problems += _expect_pin(full, extra.requirement, path)
+    problems += _vllm_problems(recipe, scans)
+    problems += _consistency_problems(scans)
+    return problems
+
+
+def _shown(path: Path) -> Path:
+    return path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+
+
+def _release_problems(path: Path, pin: LockedPin, listed: list[wheels.IndexFile], index_url: str) -> list[str]:
+    """Each hash of `pin` must be the sha256 of a file the index lists for exactly that release."""
+    release = wheels.release_files(listed, pin.version)
+    allowed = {f.sha256 for f in release}
+    by_sha = {f.sha256: f for f in listed}
+    page = f"{index_url.rstrip('/')}/{pin.name}/"
+    if len(release) <= 4:
+        expected = ", ".join(f"{f.filename} sha256 {f.sha256}" for f in release) or "none"
+    else:
+        expected = f"{len(release)} files"
+    problems = []
+    for digest, line in sorted(pin.hashes.items(), key=lambda item: item[1]):
+        if digest in allowed:
+            continue
+        other = by_sha.get(digest)
+        found = (f"it is {other.filename}, a file of another release" if other
+                 else f"{page} lists no file with that sha256")
+        problems.append(
+            f"{path}:{line}: {pin.name}=={pin.version} carries --hash=sha256:{digest}, which is not a file of "
+            f"{pin.name}=={pin.version}: {found}. Expected only hashes of the files {page} lists for that "
+            f"release ({expected}). Every hash must come from the index; {_REGENERATE}")
+    return problems
+
+
+def online_problems(recipe: Recipe, root: Path = REPO_ROOT, paths: list[Path] | None = None,
+                    index_url: str = wheels.PYPI_SIMPLE, workers: int = 16) -> list[str]:
+    """What only the index can tell (`check --online`): every hash of every pin of `paths`
+    (default: every lock) is the sha256 of a file the index lists for that name==version, and
+    each recipe wheel's sha256 is the one the index lists for its filename.
+
+    The index's PEP 691 listing, the one `lock` resolves from, not PyPI's JSON API (which
+    mirrors do not serve). A file of the release whose hash the lock lacks is not a problem:
+    it narrows what pip accepts, and a project may add files to a release after `lock` ran.
+    Raises wheels.WheelError when the index cannot be read."""
+    paths = expected_locks(recipe) if paths is None else list(paths)
+    scans = {path: scan_lock((root / path).read_text(), path)[0] for path in paths}
+    names = sorted({pin.name for pins in scans.values() for pin in pins} | {VLLM})
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        listed = dict(zip(names, pool.map(lambda name: wheels.index_files(name, index_url), names)))
+    problems = []
+    vllm_files = {f.filename: f for f in listed[VLLM]}
+    for platform, wheel in recipe.wheels.items():
+        entry = vllm_files.get(wheel.filename)
+        if entry is None:
+            problems.append(f"{_shown(recipe.path)}: {wheel.filename} ([vllm.wheels.\"{platform}\"]) is not "
+                            f"listed by {index_url.rstrip('/')}/{VLLM}/; fix the filename, then {_REGENERATE}")
+        elif entry.sha256 != wheel.sha256:
+            problems.append(f"{_shown(recipe.path)}: vllm.wheels.\"{platform}\".sha256 is {wheel.sha256 or '(empty)'}, "
+                            f"expected {entry.sha256}, the sha256 {index_url.rstrip('/')}/{VLLM}/ lists for "
+                            f"{wheel.filename}; {_REGENERATE}")
+    for path, pins in scans.items():
+        for pin in pins:
+            problems += _release_problems(path, pin, listed[pin.name], index_url)
     return problems

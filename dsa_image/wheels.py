@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import urllib.error
 import urllib.parse
@@ -158,3 +159,41 @@ def read_member(wheel: Path, member: str) -> bytes | None:
             return archive.read(member)
         except KeyError:
             return None
+
+
+# --- which release a distribution file belongs to: what `check --online` compares locks with ---
+
+_SDIST_SUFFIXES = (".tar.gz", ".zip", ".tar.bz2", ".tar.xz", ".tgz", ".tar")
+_RELEASE = re.compile(r"v?([0-9]+(?:\.[0-9]+)*)(.*)")
+
+
+def distribution_version(filename: str) -> str | None:
+    """The version in a wheel (name-version[-build]-python-abi-platform.whl) or sdist
+    (name-version.tar.gz, .zip) filename; None for other kinds (eggs, installers)."""
+    if filename.endswith(".whl"):
+        parts = filename[:-4].split("-")
+        return parts[1] if len(parts) in (5, 6) else None
+    for suffix in _SDIST_SUFFIXES:
+        if filename.endswith(suffix):
+            _, dash, version = filename[: -len(suffix)].rpartition("-")
+            return version if dash and version else None
+    return None
+
+
+def canonical_version(version: str) -> str:
+    """Enough of PEP 440 normalization to compare a lock's version with a filename's:
+    case, a leading v, leading zeros and trailing .0 of the release (1.0 == 1.0.0 == 1)."""
+    match = _RELEASE.fullmatch(version.strip().lower())
+    if not match:
+        return version.strip().lower()
+    release = [int(part) for part in match.group(1).split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    return ".".join(map(str, release)) + match.group(2)
+
+
+def release_files(files: list[IndexFile], version: str) -> list[IndexFile]:
+    """The files of `files` (one project's index listing) that belong to release `version`."""
+    wanted = canonical_version(version)
+    return [f for f in files
+            if (found := distribution_version(f.filename)) is not None and canonical_version(found) == wanted]

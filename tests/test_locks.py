@@ -88,13 +88,15 @@ def test_dev_lock_has_what_the_tests_import():
 def test_lock_problems_catch_a_moved_pin(tmp_path):
     """A hand-edited or stale lock is caught: copy the locks, move torch in one extras lock."""
     (tmp_path / lock.LOCKS_DIR).mkdir(parents=True)
-    for path in lock.expected_locks(RECIPE):
+    for path in [*lock.expected_locks(RECIPE), lock.LOCK_SUMS]:
         (tmp_path / path).write_text((REPO / path).read_text())
     victim = tmp_path / lock.target_lock(RECIPE.target("sm120"), "amd64")
     victim.write_text(victim.read_text().replace("\ntorch==2.11.0 ", "\ntorch==2.12.0 "))
-    assert lock.lock_problems(RECIPE, root=tmp_path) == [
+    problems = lock.lock_problems(RECIPE, root=tmp_path)
+    assert problems[1:] == [
         f"{lock.target_lock(RECIPE.target('sm120'), 'amd64')}: torch differs from {lock.common_lock('amd64')} "
         "(the extras lock must only add packages)"]
+    assert problems[0].startswith(f"{lock.target_lock(RECIPE.target('sm120'), 'amd64')}: its sha256 is ")  # SHA256SUMS
     (tmp_path / lock.common_lock("arm64")).unlink()
     assert f"{lock.common_lock('arm64')}: missing; run `{lock.COMPILE_COMMAND}`" in lock.lock_problems(RECIPE, root=tmp_path)
 
