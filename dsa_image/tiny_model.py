@@ -68,6 +68,11 @@ CONFIG: dict = {
     "pad_token_id": 2,
 }
 
+# The same model with one MTP (next-token prediction) layer, model.layers.4: what a scaled-down
+# serving recipe with MTP speculative decoding serves. An option, not the default: the image's
+# built-in model and the validated runs (docs/validation) are CONFIG, byte for byte.
+MTP_CONFIG: dict = {**CONFIG, "num_nextn_predict_layers": 1}
+
 # GLM-style special tokens, ids 0..7. bos/eos/pad are 0/1/2 as in CONFIG.
 BOS, EOS, PAD = "[gMASK]", "<|endoftext|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD, "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
@@ -310,7 +315,7 @@ def model_files(config: dict = CONFIG) -> dict[str, bytes]:
             for name, doc in documents.items()}
 
 
-def write_model(out_dir: Path) -> list[Path]:
+def write_model(out_dir: Path, config: dict = CONFIG) -> list[Path]:
     """Write the model directory; nothing is left half-written if anything fails.
 
     `out_dir` must not exist or be empty: an existing model is never overwritten silently.
@@ -318,7 +323,7 @@ def write_model(out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise TinyModelError(f"{out_dir} exists and is not an empty directory: remove it or choose another")
-    files = model_files()
+    files = model_files(config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -334,12 +339,12 @@ def write_model(out_dir: Path) -> list[Path]:
     return [out_dir / name for name in files]
 
 
-def model_dir_differences(model_dir: Path) -> list[str]:
-    """How `model_dir` differs from what `write_model` writes (empty: identical)."""
+def model_dir_differences(model_dir: Path, config: dict = CONFIG) -> list[str]:
+    """How `model_dir` differs from what `write_model(model_dir, config)` writes (empty: identical)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         return [f"{model_dir}: no such directory"]
-    expected = model_files()
+    expected = model_files(config)
     found = {p.name for p in model_dir.iterdir()}
     differences = [f"{name}: missing" for name in sorted(expected.keys() - found)]
     differences += [f"{name}: not written by the generator" for name in sorted(found - expected.keys())]

@@ -198,3 +198,26 @@ def test_chat_template_renders_glm_turns(model_dir, offline):
     assert ids[:3] == [0, 3, 4]  # [gMASK] <sop> <|system|>: special tokens, not split into bytes
     with pytest.raises(Exception, match="unknown role: tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+def test_mtp_option_adds_one_mtp_layer_and_leaves_the_default_alone():
+    assert {k: v for k, v in tiny_model.MTP_CONFIG.items() if CONFIG.get(k) != v} == {"num_nextn_predict_layers": 1}
+    assert CONFIG["num_nextn_predict_layers"] == 0  # the image's model: no MTP layer
+    assert tiny_model.kernel_shape_problems(tiny_model.MTP_CONFIG) == []
+    default, mtp = tiny_model.model_files(), tiny_model.model_files(tiny_model.MTP_CONFIG)
+    assert [name for name in default if default[name] != mtp[name]] == ["config.json"]
+
+
+def test_mtp_model_directory_is_checked_against_its_own_config(tmp_path):
+    out = tmp_path / "tiny-glm5-mtp"
+    tiny_model.write_model(out, tiny_model.MTP_CONFIG)
+    assert tiny_model.model_dir_differences(out, tiny_model.MTP_CONFIG) == []
+    assert tiny_model.model_dir_differences(out) == ["config.json: content differs from the generator's"]
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_transformers_loads_the_mtp_config(tmp_path, offline):
+    transformers = pytest.importorskip("transformers", reason="transformers is in the dev lock")
+    out = tmp_path / "tiny-glm5-mtp"
+    tiny_model.write_model(out, tiny_model.MTP_CONFIG)
+    assert transformers.AutoConfig.from_pretrained(out).num_nextn_predict_layers == 1

@@ -1,0 +1,890 @@
+"""Serving recipes: one file per GLM-5.x model and hardware layout, their memory plans, and a runner.
+
+    recipes/serve/<name>.toml    a recipe: model, image targets and GPUs, layout, vLLM settings,
+                                 environment workarounds (each with a reason and a link)
+    recipes/models/<model>.toml  model facts (transformers' GlmMoeDsaConfig defaults + published values)
+
+The runner (`python3 scripts/serve.py`, and `docker run IMAGE recipe ...` inside the image) lists
+recipes, prints a dry run (per node: the exact `docker run` and `vllm serve` commands) and
+launches solo or across nodes. Every recipe is checked when loaded; a layout that cannot work
+is refused with the reason and, for memory, the numbers.
+
+Exit codes: 0 ok; 2 usage or a bad recipe / override; 4 layout refused (does not fit, TP does
+not divide the heads, PP does not divide the layers, cluster-only on one node, a node count
+that does not match); 5 the image target does not match the GPU (or a GPU host is needed and
+absent). Once docker or vllm runs, theirs. Stdlib only: the image's entrypoint imports this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from . import memory_plan
+from .memory_plan import BACKENDS, GPUS, SCHEMES, Gpu
+from .recipe import DEFAULT_RECIPE, RECIPES_DIR, Recipe, RecipeError, load_recipe
+
+SERVE_DIR_NAME = "serve"
+MODELS_DIR_NAME = "models"
+DEFAULT_SERVE_RECIPE = "tiny-glm5"
+IMAGE_REPOSITORY = "dsa-image"
+# The image runs as user vllm with HOME=/home/vllm (Dockerfile runtime stage): Hugging Face's
+# cache is there.
+CONTAINER_HF_CACHE = "/home/vllm/.cache/huggingface"
+DEFAULT_HF_CACHE = "~/.cache/huggingface"
+RAY_PORT = 6379
+MP_MASTER_PORT = 29501
+
+OK, USAGE, LAYOUT, TARGET = 0, 2, 4, 5
+
+
+class ServeError(Exception):
+    exit_code = USAGE
+
+
+class RecipeFileError(ServeError):
+    """A recipe or model file (or an override) is malformed."""
+
+
+class LayoutError(ServeError):
+    """The layout cannot work: memory, divisibility, node count."""
+
+    exit_code = LAYOUT
+
+
+class TargetError(ServeError):
+    """The image target does not match the GPU."""
+
+    exit_code = TARGET
+
+
+# -- schema --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    kind: type
+    flag: str | None  # None: rendered specially (speculative config, hf overrides)
+    help: str
+
+
+# [vllm] settings; each becomes a `vllm serve` flag.
+VLLM_SETTINGS: dict[str, Setting] = {
+    "served_model_name": Setting(str, "--served-model-name", "name the API serves the model under"),
+    "max_model_len": Setting(int, "--max-model-len", "longest request (prompt + output), tokens"),
+    "kv_cache_dtype": Setting(str, "--kv-cache-dtype", "KV cache dtype (absent: the image target's)"),
+    "attention_backend": Setting(str, "--attention-backend", "sparse-MLA backend (absent: the target's)"),
+    "block_size": Setting(int, "--block-size", "KV cache block size, tokens"),
+    "gpu_memory_utilization": Setting(float, "--gpu-memory-utilization", "fraction of GPU memory vLLM may use"),
+    "max_num_batched_tokens": Setting(int, "--max-num-batched-tokens", "tokens per scheduler step"),
+    "max_num_seqs": Setting(int, "--max-num-seqs", "concurrent sequences"),
+    "enable_prefix_caching": Setting(bool, "--enable-prefix-caching", "prefix caching"),
+    "speculative_method": Setting(str, None, "speculative decoding method (mtp)"),
+    "num_speculative_tokens": Setting(int, None, "speculative tokens per step"),
+    "tool_call_parser": Setting(str, "--tool-call-parser", "tool-call parser"),
+    "reasoning_parser": Setting(str, "--reasoning-parser", "reasoning parser"),
+    "enable_auto_tool_choice": Setting(bool, "--enable-auto-tool-choice", "let the model choose tools"),
+    "chat_template_content_format": Setting(str, "--chat-template-content-format", "string or openai"),
+    "load_format": Setting(str, "--load-format", "weights format (dummy: random weights)"),
+    "enforce_eager": Setting(bool, "--enforce-eager", "no CUDA graphs"),
+    "port": Setting(int, "--port", "HTTP port"),
+    "hf_overrides": Setting(dict, None, "config.json values to override (JSON)"),
+}
+LAYOUT_SETTINGS: dict[str, type] = {
+    "nodes": int, "gpus_per_node": int, "tensor_parallel_size": int, "pipeline_parallel_size": int,
+    "cluster_backend": str,
+}
+TOP_LEVEL = {"schema": int, "description": str, "model": str, "hf_id": str, "quantization": str,
+             "cluster_only": bool, "hardware": dict, "layout": dict, "vllm": dict, "env": dict,
+             "workarounds": dict}
+REQUIRED_TOP = ("schema", "description", "model", "hf_id", "quantization", "cluster_only", "hardware",
+                "layout", "vllm")
+CLUSTER_BACKENDS = ("mp", "ray")
+SPECULATIVE_METHODS = ("mtp",)
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    value: str
+    reason: str
+    link: str  # "" only for a variable set with --set
+
+
+@dataclass(frozen=True)
+class Workaround:
+    setting: str
+    reason: str
+    link: str
+
+
+@dataclass(frozen=True)
+class Model:
+    id: str
+    name: str
+    path: Path
+    config: dict[str, Any]  # [config] with [published] applied
+    raw: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ServeRecipe:
+    name: str
+    path: Path
+    description: str
+    model: Model
+    hf_id: str
+    quantization: str
+    cluster_only: bool
+    hardware: dict[str, str]  # target -> GPU id, first = default target
+    layout: dict[str, Any]
+    vllm: dict[str, Any]
+    env: tuple[EnvVar, ...]
+    workarounds: tuple[Workaround, ...]
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(self.hardware)
+
+    @property
+    def tp(self) -> int:
+        return self.layout["tensor_parallel_size"]
+
+    @property
+    def pp(self) -> int:
+        return self.layout["pipeline_parallel_size"]
+
+    @property
+    def nodes(self) -> int:
+        return self.layout["nodes"]
+
+    @property
+    def uses_mtp(self) -> bool:
+        return self.vllm.get("speculative_method") == "mtp"
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+def serve_dir(recipes_dir: Path = RECIPES_DIR) -> Path:
+    return recipes_dir / SERVE_DIR_NAME
+
+
+def serve_recipe_names(recipes_dir: Path = RECIPES_DIR) -> list[str]:
+    return sorted(p.stem for p in serve_dir(recipes_dir).glob("*.toml"))
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeFileError(f"{path}: not valid TOML: {exc}") from exc
+
+
+def _typed(value: Any, kind: type, where: str) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise RecipeFileError(f"{where}: expected {kind.__name__}, found {value!r}")
+    return value
+
+
+def load_model(model_id: str, recipes_dir: Path = RECIPES_DIR) -> Model:
+    path = recipes_dir / MODELS_DIR_NAME / f"{model_id}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.toml"))) or "(none)"
+        raise RecipeFileError(f"unknown model {model_id!r} (no {path}); known models: {known}")
+    raw = _read_toml(path)
+    where = str(path)
+    if raw.get("schema") != 1:
+        raise RecipeFileError(f"{where}: schema must be 1, found {raw.get('schema')!r}")
+    if raw.get("id") != model_id:
+        raise RecipeFileError(f"{where}: id {raw.get('id')!r} must equal the file name {model_id!r}")
+    for table in ("config", "config_source", "published", "published_sources"):
+        if not isinstance(raw.get(table), dict):
+            raise RecipeFileError(f"{where}: needs a [{table}] table")
+    missing_sources = sorted(set(raw["published"]) - set(raw["published_sources"]))
+    if missing_sources:
+        raise RecipeFileError(f"{where}: [published] values without a source in [published_sources]: "
+                              f"{', '.join(missing_sources)}")
+    config = {**raw["config"], **raw["published"]}
+    missing = [k for k in memory_plan.REQUIRED_CONFIG if k not in config]
+    if missing:
+        raise RecipeFileError(f"{where}: config lacks {', '.join(missing)}")
+    return Model(model_id, str(raw.get("name", model_id)), path, config, raw)
+
+
+def load_serve_recipe(name: str, recipes_dir: Path = RECIPES_DIR, build: Recipe | None = None) -> ServeRecipe:
+    path = serve_dir(recipes_dir) / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(serve_recipe_names(recipes_dir)) or "(none)"
+        raise RecipeFileError(f"unknown recipe {name!r}; recipes: {known}")
+    return parse_serve_recipe(name, path, _read_toml(path), recipes_dir, build)
+
+
+def _build_recipe(recipes_dir: Path, build: Recipe | None) -> Recipe:
+    if build is not None:
+        return build
+    try:
+        return load_recipe(DEFAULT_RECIPE, recipes_dir)
+    except RecipeError as exc:
+        raise RecipeFileError(str(exc)) from exc
+
+
+def parse_serve_recipe(name: str, path: Path, raw: dict[str, Any], recipes_dir: Path = RECIPES_DIR,
+                       build: Recipe | None = None) -> ServeRecipe:
+    """Check everything that does not depend on the target chosen or the hosts given."""
+    where = str(path)
+    unknown = sorted(set(raw) - set(TOP_LEVEL))
+    if unknown:
+        raise RecipeFileError(f"{where}: unknown keys {', '.join(unknown)}; known: {', '.join(TOP_LEVEL)}")
+    for key in REQUIRED_TOP:
+        if key not in raw:
+            raise RecipeFileError(f"{where}: missing key {key!r}")
+    for key, kind in TOP_LEVEL.items():
+        if key in raw:
+            _typed(raw[key], kind, f"{where}: {key}")
+    if raw["schema"] != 1:
+        raise RecipeFileError(f"{where}: schema must be 1, found {raw['schema']!r}")
+    build = _build_recipe(recipes_dir, build)
+    model = load_model(raw["model"], recipes_dir)
+    if raw["quantization"] not in SCHEMES:
+        raise RecipeFileError(f"{where}: quantization {raw['quantization']!r} unknown; known: {', '.join(SCHEMES)}")
+
+    hardware = dict(raw["hardware"])
+    if not hardware:
+        raise RecipeFileError(f"{where}: [hardware] names no image target")
+    for target, gpu_id in hardware.items():
+        if target not in build.targets:
+            raise RecipeFileError(f"{where}: hardware target {target!r} is not a target of {build.id}: "
+                                  f"{', '.join(build.targets)}")
+        if gpu_id not in GPUS:
+            raise RecipeFileError(f"{where}: hardware.{target} = {gpu_id!r}: unknown GPU; known: {', '.join(GPUS)}")
+        if GPUS[gpu_id].target != target:
+            raise RecipeFileError(f"{where}: hardware.{target} = {gpu_id!r}, but the {GPUS[gpu_id].name} needs the "
+                                  f"{GPUS[gpu_id].target} image")
+
+    layout = {}
+    for key, value in raw["layout"].items():
+        if key not in LAYOUT_SETTINGS:
+            raise RecipeFileError(f"{where}: layout.{key} unknown; known: {', '.join(LAYOUT_SETTINGS)}")
+        layout[key] = _typed(value, LAYOUT_SETTINGS[key], f"{where}: layout.{key}")
+    for key in ("nodes", "gpus_per_node", "tensor_parallel_size", "pipeline_parallel_size"):
+        if key not in layout:
+            raise RecipeFileError(f"{where}: layout.{key} missing")
+        if layout[key] < 1:
+            raise RecipeFileError(f"{where}: layout.{key} must be at least 1")
+    layout.setdefault("cluster_backend", "mp")
+
+    vllm = {}
+    for key, value in raw["vllm"].items():
+        if key not in VLLM_SETTINGS:
+            raise RecipeFileError(f"{where}: vllm.{key} unknown; known: {', '.join(VLLM_SETTINGS)}")
+        vllm[key] = _typed(value, VLLM_SETTINGS[key].kind, f"{where}: vllm.{key}")
+    for key in ("served_model_name", "max_model_len", "port"):
+        if key not in vllm:
+            raise RecipeFileError(f"{where}: vllm.{key} missing")
+
+    env = []
+    for var, entry in raw.get("env", {}).items():
+        at = f"{where}: env.{var}"
+        if not isinstance(entry, dict) or set(entry) != {"value", "reason", "link"}:
+            raise RecipeFileError(f"{at}: needs exactly value, reason and link")
+        for key in ("value", "reason", "link"):
+            _typed(entry[key], str, f"{at}.{key}")
+        _check_link(entry["link"], at)
+        env.append(EnvVar(var, entry["value"], entry["reason"], entry["link"]))
+    workarounds = []
+    for setting, entry in raw.get("workarounds", {}).items():
+        at = f"{where}: workarounds.{setting}"
+        if setting not in vllm:
+            raise RecipeFileError(f"{at}: the recipe sets no vllm.{setting}")
+        if not isinstance(entry, dict) or set(entry) != {"reason", "link"}:
+            raise RecipeFileError(f"{at}: needs exactly reason and link")
+        _check_link(_typed(entry["link"], str, f"{at}.link"), at)
+        workarounds.append(Workaround(setting, _typed(entry["reason"], str, f"{at}.reason"), entry["link"]))
+
+    recipe = ServeRecipe(name, path, raw["description"], model, raw["hf_id"], raw["quantization"],
+                         raw["cluster_only"], hardware, layout, vllm, tuple(env), tuple(workarounds))
+    check_recipe(recipe, build)
+    return recipe
+
+
+def _check_link(link: str, where: str) -> None:
+    if not link.startswith("https://"):
+        raise RecipeFileError(f"{where}: link must be an https:// URL, found {link!r}")
+
+
+def check_recipe(recipe: ServeRecipe, build: Recipe) -> None:
+    """The checks an override can also break: RecipeFileError for values, LayoutError for layouts."""
+    where = str(recipe.path)
+    vllm, cfg = recipe.vllm, recipe.model.config
+    if recipe.layout["cluster_backend"] not in CLUSTER_BACKENDS:
+        raise RecipeFileError(f"{where}: cluster_backend {recipe.layout['cluster_backend']!r}; "
+                              f"one of {', '.join(CLUSTER_BACKENDS)}")
+    method = vllm.get("speculative_method")
+    if (method is None) != ("num_speculative_tokens" not in vllm):
+        raise RecipeFileError(f"{where}: speculative_method and num_speculative_tokens go together")
+    if method is not None and method not in SPECULATIVE_METHODS:
+        raise RecipeFileError(f"{where}: speculative_method {method!r}; supported: {', '.join(SPECULATIVE_METHODS)}")
+    if method == "mtp" and cfg["num_nextn_predict_layers"] < 1:
+        raise RecipeFileError(f"{where}: MTP needs a model with an MTP layer; {recipe.model.id} has "
+                              f"num_nextn_predict_layers {cfg['num_nextn_predict_layers']}")
+    if vllm.get("num_speculative_tokens", 1) < 1:
+        raise RecipeFileError(f"{where}: num_speculative_tokens must be at least 1")
+    if vllm.get("enable_auto_tool_choice") and "tool_call_parser" not in vllm:
+        raise RecipeFileError(f"{where}: enable_auto_tool_choice needs a tool_call_parser")
+    if not 0 < vllm.get("gpu_memory_utilization", 0.92) <= 1:
+        raise RecipeFileError(f"{where}: gpu_memory_utilization must be in (0, 1]")
+    if vllm["max_model_len"] > cfg["max_position_embeddings"]:
+        raise RecipeFileError(f"{where}: max_model_len {vllm['max_model_len']} exceeds the model's "
+                              f"max_position_embeddings {cfg['max_position_embeddings']}")
+    overrides = vllm.get("hf_overrides", {})
+    pattern = overrides.get("index_topk_pattern")
+    if pattern is not None:
+        derived = memory_plan.index_topk_pattern(cfg)
+        if pattern != derived:
+            raise RecipeFileError(f"{where}: hf_overrides.index_topk_pattern {pattern!r} differs from the one "
+                                  f"{recipe.model.id}'s config gives vLLM ({derived!r})")
+    for target in recipe.targets:
+        check_backend(recipe, target, build)
+    check_layout(recipe)
+
+
+def check_backend(recipe: ServeRecipe, target: str, build: Recipe) -> None:
+    backend, kv_dtype = attention_backend(recipe, target, build), kv_cache_dtype(recipe, target, build)
+    where = f"{recipe.path} (target {target})"
+    if backend not in BACKENDS:
+        raise RecipeFileError(f"{where}: attention_backend {backend!r}: not a sparse-MLA backend of vLLM 0.24.0 "
+                              f"({', '.join(BACKENDS)})")
+    spec, gpu = BACKENDS[backend], GPUS[recipe.hardware[target]]
+    if gpu.capability[0] not in spec.capability_majors:
+        raise TargetError(f"{where}: {backend} runs on compute capability {'/'.join(map(str, spec.capability_majors))}"
+                          f".x, the {gpu.name} is {gpu.capability[0]}.{gpu.capability[1]}")
+    if kv_dtype not in spec.kv_cache_dtypes:
+        raise RecipeFileError(f"{where}: {backend} does not take kv_cache_dtype {kv_dtype!r}; it takes "
+                              f"{', '.join(spec.kv_cache_dtypes)}")
+    block = recipe.vllm.get("block_size")
+    if block is not None and block not in spec.block_sizes:
+        raise RecipeFileError(f"{where}: {backend} takes block sizes {', '.join(map(str, spec.block_sizes))}, "
+                              f"not {block}")
+
+
+def check_layout(recipe: ServeRecipe) -> None:
+    cfg, layout = recipe.model.config, recipe.layout
+    where = str(recipe.path)
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    if heads % recipe.tp:
+        raise LayoutError(f"{where}: tensor_parallel_size {recipe.tp} does not divide the {heads} attention heads "
+                          f"of {recipe.model.id}")
+    if layers % recipe.pp:
+        raise LayoutError(f"{where}: pipeline_parallel_size {recipe.pp} does not divide the {layers} layers of "
+                          f"{recipe.model.id} (the memory plan assumes equal stages)")
+    gpus = layout["nodes"] * layout["gpus_per_node"]
+    if gpus != recipe.tp * recipe.pp:
+        raise LayoutError(f"{where}: {layout['nodes']} node(s) x {layout['gpus_per_node']} GPU(s) = {gpus} GPUs, "
+                          f"but TP {recipe.tp} x PP {recipe.pp} = {recipe.tp * recipe.pp}")
+    if recipe.cluster_only and layout["nodes"] < 2:
+        raise LayoutError(f"{where}: cluster_only, yet the layout has one node")
+
+
+def kv_cache_dtype(recipe: ServeRecipe, target: str, build: Recipe) -> str:
+    return recipe.vllm.get("kv_cache_dtype", build.target(target).kv_cache_dtype)
+
+
+def attention_backend(recipe: ServeRecipe, target: str, build: Recipe) -> str:
+    return recipe.vllm.get("attention_backend", build.target(target).attention_backend)
+
+
+# -- overrides -----------------------------------------------------------------------------
+
+
+def parse_value(text: str, kind: type, where: str) -> Any:
+    if kind is bool:
+        if text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text.lower() in ("false", "0", "no", "off"):
+            return False
+        raise RecipeFileError(f"{where}: {text!r} is not a boolean (true/false)")
+    try:
+        return kind(text)
+    except ValueError:
+        raise RecipeFileError(f"{where}: {text!r} is not {kind.__name__}") from None
+
+
+def apply_overrides(recipe: ServeRecipe, assignments: list[str], build: Recipe) -> ServeRecipe:
+    """`--set KEY=VALUE`, typed against the schema: a [vllm] or [layout] setting, hf_id,
+    hf_overrides.NAME, env.NAME, or hardware.TARGET (a GPU id). `KEY=` unsets a [vllm] setting."""
+    vllm, layout, hardware = dict(recipe.vllm), dict(recipe.layout), dict(recipe.hardware)
+    env = {e.name: e for e in recipe.env}
+    hf_id = recipe.hf_id
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        where = f"--set {assignment}"
+        if not sep:
+            raise RecipeFileError(f"{where}: expected KEY=VALUE")
+        if key in VLLM_SETTINGS and VLLM_SETTINGS[key].kind is not dict:
+            if text == "":
+                vllm.pop(key, None)
+            else:
+                vllm[key] = parse_value(text, VLLM_SETTINGS[key].kind, where)
+        elif key in LAYOUT_SETTINGS:
+            layout[key] = parse_value(text, LAYOUT_SETTINGS[key], where)
+        elif key == "hf_id":
+            hf_id = text
+        elif key.startswith("hf_overrides."):
+            vllm["hf_overrides"] = {**vllm.get("hf_overrides", {}), key.split(".", 1)[1]: text}
+        elif key.startswith("env."):
+            name = key.split(".", 1)[1]
+            env[name] = EnvVar(name, text, "set with --set", "")
+        elif key.startswith("hardware."):
+            target = key.split(".", 1)[1]
+            if text not in GPUS:
+                raise RecipeFileError(f"{where}: unknown GPU {text!r}; known: {', '.join(GPUS)}")
+            hardware[target] = text
+        else:
+            known = [*(k for k, s in VLLM_SETTINGS.items() if s.kind is not dict), *LAYOUT_SETTINGS, "hf_id",
+                     "hf_overrides.NAME", "env.NAME", "hardware.TARGET"]
+            raise RecipeFileError(f"{where}: unknown key {key!r}; known: {', '.join(known)}")
+    changed = replace(recipe, vllm=vllm, layout=layout, hardware=hardware, env=tuple(env.values()), hf_id=hf_id)
+    check_recipe(changed, build)
+    return changed
+
+
+# -- the plan of one run -------------------------------------------------------------------
+
+
+def memory_plan_of(recipe: ServeRecipe, target: str, build: Recipe) -> memory_plan.Plan:
+    return memory_plan.plan(
+        recipe.model.config, SCHEMES[recipe.quantization], GPUS[recipe.hardware[target]],
+        tp=recipe.tp, pp=recipe.pp, mtp=recipe.uses_mtp, backend=attention_backend(recipe, target, build),
+        kv_cache_dtype=kv_cache_dtype(recipe, target, build),
+        gpu_memory_utilization=recipe.vllm.get("gpu_memory_utilization", 0.92),
+        max_model_len=recipe.vllm["max_model_len"], block_size=recipe.vllm.get("block_size", 16))
+
+
+def vllm_args(recipe: ServeRecipe, target: str, build: Recipe, extra: list[str] = ()) -> list[str]:
+    """`vllm serve` arguments (without `vllm serve`) common to every node."""
+    vllm = recipe.vllm
+    args = [recipe.hf_id]
+    settings = dict(vllm)
+    settings.setdefault("kv_cache_dtype", kv_cache_dtype(recipe, target, build))
+    settings.setdefault("attention_backend", attention_backend(recipe, target, build))
+    if recipe.tp > 1:
+        args += ["--tensor-parallel-size", str(recipe.tp)]
+    if recipe.pp > 1:
+        args += ["--pipeline-parallel-size", str(recipe.pp)]
+    for key, setting in VLLM_SETTINGS.items():
+        if key not in settings or setting.flag is None:
+            continue
+        value = settings[key]
+        if setting.kind is bool:
+            if key == "enable_prefix_caching":
+                args.append(setting.flag if value else "--no-enable-prefix-caching")
+            elif value:
+                args.append(setting.flag)
+        else:
+            args += [setting.flag, str(value)]
+    if "speculative_method" in settings:
+        args += ["--speculative-config", json.dumps({"method": settings["speculative_method"],
+                                                     "num_speculative_tokens": settings["num_speculative_tokens"]},
+                                                    separators=(",", ":"))]
+    if settings.get("hf_overrides"):
+        args += ["--hf-overrides", json.dumps(settings["hf_overrides"], separators=(",", ":"))]
+    return [*args, *extra]
+
+
+def environment(recipe: ServeRecipe, target: str, build: Recipe) -> dict[str, str]:
+    """The recipe's variables on top of the image target's (recipes/glm5-dsa.toml [targets.*].env)."""
+    return {**build.target(target).env, **{e.name: e.value for e in recipe.env}}
+
+
+@dataclass(frozen=True)
+class Node:
+    rank: int
+    address: str
+    role: str  # "solo", "head", "worker"
+    docker: list[str]  # the docker command (shell words)
+    then: list[str] = field(default_factory=list)  # a command run after all containers are up (Ray)
+    detached: bool = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    recipe: ServeRecipe
+    target: str
+    image: str
+    vllm: list[str]  # `vllm serve ...` on the serving node
+    env: dict[str, str]
+    nodes: tuple[Node, ...]
+    plan: memory_plan.Plan
+    notes: tuple[str, ...]
+
+
+class Shell(str):
+    """A word printed as is (it relies on the shell, e.g. $HOME): never quoted."""
+
+
+def shell_join(words: list[str]) -> str:
+    return " ".join(w if isinstance(w, Shell) else shlex.quote(w) for w in words)
+
+
+def image_ref(build: Recipe, target: str, repository: str = IMAGE_REPOSITORY) -> str:
+    return f"{repository}:{build.vllm_version}-{target}"
+
+
+def ray_modes_available() -> bool:
+    """Whether the image's entrypoint has the Ray head/worker modes the Ray cluster form uses."""
+    from . import entrypoint  # noqa: PLC0415 - entrypoint may import this module
+
+    return {"ray-head", "ray-worker"} <= set(entrypoint.MODES)
+
+
+def _hf_volume(hf_cache: str) -> str:
+    if hf_cache.startswith("~/"):
+        return Shell(f'"$HOME/{hf_cache[2:]}":{CONTAINER_HF_CACHE}')
+    return f"{hf_cache}:{CONTAINER_HF_CACHE}"
+
+
+def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[str] | None, solo: bool,
+                extra: list[str] = (), repository: str = IMAGE_REPOSITORY, hf_cache: str = DEFAULT_HF_CACHE,
+                ifname: str | None = None) -> Launch:
+    if target not in recipe.hardware:
+        raise TargetError(f"recipe {recipe.name} runs on the {', '.join(recipe.targets)} image(s), not {target} "
+                          f"(its GPUs: {', '.join(GPUS[g].name for g in recipe.hardware.values())})")
+    check_backend(recipe, target, build)
+    nodes_wanted = recipe.nodes
+    if solo and recipe.cluster_only:
+        raise LayoutError(f"recipe {recipe.name} is cluster-only: it needs {nodes_wanted} nodes "
+                          f"(--nodes HEAD,WORKER,...), not --solo")
+    if solo and nodes_wanted > 1:
+        raise LayoutError(f"recipe {recipe.name} spans {nodes_wanted} nodes; --solo runs one")
+    if hosts is not None and len(hosts) != nodes_wanted:
+        raise LayoutError(f"recipe {recipe.name} needs {nodes_wanted} node(s), --nodes gave {len(hosts)}: "
+                          f"{', '.join(hosts)}")
+    plan = memory_plan_of(recipe, target, build)
+    problem = plan.problem()
+    if problem:
+        raise LayoutError(f"recipe {recipe.name}: {problem}\n  " + "\n  ".join(plan.lines()))
+    image = image_ref(build, target, repository)
+    env = environment(recipe, target, build)
+    args = vllm_args(recipe, target, build, list(extra))
+    notes = []
+    port = str(recipe.vllm["port"])
+    common = ["--gpus", "all", "--ipc=host", "-v", _hf_volume(hf_cache), "-e", "HF_TOKEN"]
+    if ifname:
+        env = {**env, "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
+
+    def env_flags(extra_env: Mapping[str, str] = {}) -> list[str]:
+        return [w for k, v in {**env, **extra_env}.items() for w in ("-e", f"{k}={v}")]
+
+    name = f"dsa-{recipe.name}"
+    if nodes_wanted == 1:
+        docker = ["docker", "run", "--rm", "--name", name, *common, "-p", f"{port}:{port}", *env_flags(),
+                  image, "serve", *args]
+        return Launch(recipe, target, image, ["vllm", "serve", *args], env,
+                      (Node(0, (hosts or ["localhost"])[0], "solo", docker),), plan, tuple(notes))
+
+    addresses = hosts or ["HEAD_ADDR", *(f"NODE{i}_ADDR" for i in range(1, nodes_wanted))]
+    if hosts is None:
+        notes.append("no --nodes given: HEAD_ADDR and NODEi_ADDR stand for the nodes' addresses")
+    head = addresses[0]
+    nodes = []
+    if recipe.layout["cluster_backend"] == "ray":
+        if not ray_modes_available():
+            notes.append("PENDING: the image has no ray-head / ray-worker modes yet (dsa_image/entrypoint.py) and no "
+                         "Ray in its lock; these commands are the form they will take. Today: --set "
+                         "cluster_backend=mp (vLLM's own multi-node multiprocessing, no Ray)")
+        serve = ["vllm", "serve", *args, "--distributed-executor-backend", "ray"]
+        for rank, address in enumerate(addresses):
+            role = "head" if rank == 0 else "worker"
+            container = f"{name}-{role}" if rank == 0 else f"{name}-worker{rank}"
+            mode = ["ray-head", "--port", str(RAY_PORT)] if rank == 0 else ["ray-worker", "--address",
+                                                                            f"{head}:{RAY_PORT}"]
+            docker = ["docker", "run", "-d", "--rm", "--name", container, *common, "--network", "host",
+                      *env_flags({"VLLM_HOST_IP": address}), image, *mode]
+            then = ["docker", "exec", f"{name}-head", *serve] if rank == 0 else []
+            nodes.append(Node(rank, address, role, docker, then, detached=True))
+        return Launch(recipe, target, image, serve, env, tuple(nodes), plan, tuple(notes))
+
+    for rank, address in enumerate(addresses):
+        role = "head" if rank == 0 else "worker"
+        node_args = [*args, "--nnodes", str(nodes_wanted), "--node-rank", str(rank), "--master-addr", head,
+                     "--master-port", str(MP_MASTER_PORT)]
+        if rank > 0:
+            node_args.append("--headless")
+        docker = ["docker", "run", *(["-d"] if rank else []), "--rm", "--name", f"{name}-node{rank}", *common,
+                  "--network", "host", *env_flags(), image, "serve", *node_args]
+        nodes.append(Node(rank, address, role, docker, detached=rank > 0))
+    head_args = nodes[0].docker[nodes[0].docker.index("serve") + 1:]
+    return Launch(recipe, target, image, ["vllm", "serve", *head_args], env, tuple(nodes), plan, tuple(notes))
+
+
+# -- output --------------------------------------------------------------------------------
+
+
+def describe(launch: Launch) -> str:
+    recipe = launch.recipe
+    lines = [f"recipe {recipe.name}: {recipe.description}",
+             f"model: {recipe.hf_id} ({recipe.model.name}; facts: {_rel(recipe.model.path)})",
+             f"image: {launch.image} (target {launch.target})",
+             f"layout: {recipe.nodes} node(s) x {recipe.layout['gpus_per_node']} GPU(s), TP {recipe.tp}, PP {recipe.pp}"
+             + (f", cluster backend {recipe.layout['cluster_backend']}" if recipe.nodes > 1 else ""),
+             "", "memory plan (an estimate):"]
+    lines += [f"  {line}" for line in launch.plan.lines()]
+    if recipe.env or launch.env:
+        lines += ["", "environment:"]
+        reasons = {e.name: e for e in recipe.env}
+        for name, value in launch.env.items():
+            if name in reasons:
+                var = reasons[name]
+                lines.append(f"  {name}={value}: {var.reason}" + (f" ({var.link})" if var.link else ""))
+            else:
+                lines.append(f"  {name}={value}: image target {launch.target} default (recipes/glm5-dsa.toml)")
+    if recipe.workarounds:
+        lines += ["", "settings that work around bugs:"]
+        lines += [f"  {w.setting}={recipe.vllm[w.setting]}: {w.reason} ({w.link})" for w in recipe.workarounds]
+    for note in launch.notes:
+        lines += ["", f"note: {note}"]
+    lines += ["", "vllm serve (on the serving node):", f"  {shell_join(launch.vllm)}", ""]
+    for node in launch.nodes:
+        label = {"solo": "this host", "head": f"node 0 (head, runs this script) {node.address}",
+                 "worker": f"node {node.rank} (worker) {node.address}"}[node.role]
+        lines.append(f"# {label}")
+        lines.append(shell_join(node.docker))
+    for node in launch.nodes:
+        if node.then:
+            lines.append("# then, once every node's container is up, on node 0:")
+            lines.append(shell_join(node.then))
+    return "\n".join(lines) + "\n"
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.relative_to(RECIPES_DIR.parent))
+    except ValueError:
+        return str(path)
+
+
+def list_recipes(recipes_dir: Path, build: Recipe, target_filter: str | None = None) -> str:
+    rows = []
+    for name in serve_recipe_names(recipes_dir):
+        try:
+            recipe = load_serve_recipe(name, recipes_dir, build)
+        except ServeError as exc:
+            rows.append((name, "-", "-", "-", f"INVALID: {exc}"))
+            continue
+        for target in recipe.targets:
+            if target_filter and target != target_filter:
+                continue
+            gpu = GPUS[recipe.hardware[target]]
+            try:
+                plan = memory_plan_of(recipe, target, build)
+                status = (f"fits: {memory_plan.gb(plan.weights_per_gpu)}/GPU weights, {plan.kv_tokens} KV tokens"
+                          if plan.fits else f"REFUSED: {plan.problem()}")
+            except ServeError as exc:
+                status = f"REFUSED: {exc}"
+            layout = f"{recipe.nodes}x{recipe.layout['gpus_per_node']} {gpu.name}" + (
+                " (cluster)" if recipe.cluster_only else "")
+            rows.append((name, target, layout, recipe.hf_id, status))
+    header = ("recipe", "target", "layout", "model", "memory plan")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
+    out = ["  ".join(str(cell).ljust(widths[i]) if i < 4 else str(cell) for i, cell in enumerate(row))
+           for row in [header, *rows]]
+    return "\n".join(out) + "\n"
+
+
+# -- command line --------------------------------------------------------------------------
+
+USAGE_TEXT = """\
+%(prog)s --list [--target T]
+%(prog)s NAME [--dry-run] [--target T] [--solo | --nodes HEAD,WORKER,...] [--set KEY=VALUE ...] [-- VLLM ARGS]"""
+
+EPILOG = """\
+--set keys: a [vllm] setting (max_model_len, gpu_memory_utilization, kv_cache_dtype, block_size,
+max_num_batched_tokens, num_speculative_tokens, tool_call_parser, ...), a [layout] one
+(tensor_parallel_size, pipeline_parallel_size, nodes, gpus_per_node, cluster_backend), hf_id,
+hf_overrides.NAME, env.NAME, hardware.TARGET (a GPU). Values are typed by the schema;
+`KEY=` drops a [vllm] setting. Arguments after `--` go to vllm serve verbatim.
+
+exit codes: 0 ok; 2 usage or a bad recipe/override; 4 layout refused (memory plan, TP/PP
+divisibility, cluster-only on one node, node count); 5 image target and GPU do not match.
+"""
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, usage=USAGE_TEXT, epilog=EPILOG,
+                                     description="GLM-5.x serving recipes: list, dry-run, launch.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", nargs="?", help="recipe (recipes/serve/NAME.toml)")
+    parser.add_argument("--list", "-l", action="store_true", help="list the recipes and their memory plans")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
+    parser.add_argument("--target", help="image target (default: the recipe's first; in the image: the image's)")
+    parser.add_argument("--solo", action="store_true", help="one node, this host")
+    parser.add_argument("--nodes", help="comma-separated node addresses, the head first (clusters)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--image", default=IMAGE_REPOSITORY, help="image repository (tag: <vllm>-<target>)")
+    parser.add_argument("--hf-cache", default=DEFAULT_HF_CACHE, help="host Hugging Face cache to mount")
+    parser.add_argument("--ifname", help="network interface for NCCL/Gloo across nodes")
+    parser.add_argument("--ssh", default="ssh", help="how to reach worker nodes (default: ssh)")
+    return parser
+
+
+def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+@dataclass(frozen=True)
+class Request:
+    recipe: ServeRecipe | None
+    target: str | None
+    args: argparse.Namespace
+    extra: list[str]
+    build: Recipe
+    recipes_dir: Path
+
+
+def parse_request(argv: list[str], prog: str, recipes_dir: Path, default_target: str | None,
+                  out: Callable[[str], None]) -> Request | int:
+    own, extra = split_extra(argv)
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(own)
+    except SystemExit as exc:  # argparse printed usage or --help
+        return int(exc.code or 0)
+    build = _build_recipe(recipes_dir, None)
+    if args.list:
+        out(list_recipes(recipes_dir, build, args.target or default_target))
+        return OK
+    if not args.name:
+        raise RecipeFileError(f"name a recipe (or --list); recipes: {', '.join(serve_recipe_names(recipes_dir))}")
+    if args.solo and args.nodes:
+        raise RecipeFileError("--solo and --nodes exclude each other")
+    recipe = load_serve_recipe(args.name, recipes_dir, build)
+    recipe = apply_overrides(recipe, args.overrides, build)
+    target = args.target or default_target or recipe.targets[0]
+    return Request(recipe, target, args, extra, build, recipes_dir)
+
+
+def plan_request(request: Request) -> Launch:
+    args = request.args
+    hosts = [h for h in args.nodes.split(",") if h] if args.nodes else None
+    return plan_launch(request.recipe, request.target, request.build, hosts=hosts, solo=args.solo,
+                       extra=request.extra, repository=args.image, hf_cache=args.hf_cache, ifname=args.ifname)
+
+
+def host_gpu_problem(target: str, build: Recipe, run: Callable = subprocess.run) -> str | None:
+    """Why this host's GPUs cannot run the target's image, or None."""
+    if shutil.which("nvidia-smi") is None:
+        return "nvidia-smi not found: this host has no NVIDIA driver (a dry run needs none: --dry-run)"
+    done = run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
+               text=True, check=False)
+    if done.returncode != 0:
+        return f"nvidia-smi failed ({done.returncode}): {done.stderr.strip()}"
+    wanted = set(build.target(target).cuda_arch)
+    found = [line.rsplit(",", 1) for line in done.stdout.strip().splitlines() if line.strip()]
+    wrong = [f"{name.strip()} ({cap.strip()})" for name, cap in found if cap.strip() not in wanted]
+    if not found:
+        return "nvidia-smi lists no GPU"
+    if wrong:
+        return (f"the {target} image is built for compute capability {', '.join(sorted(wanted))}; this host has "
+                f"{', '.join(wrong)}")
+    return None
+
+
+def execute(launch: Launch, request: Request, run: Callable = subprocess.run) -> int:
+    """Start the containers: workers over ssh (detached), then the head here, in the foreground."""
+    problem = host_gpu_problem(launch.target, request.build, run)
+    if problem:
+        raise TargetError(problem)
+    if launch.recipe.layout["cluster_backend"] == "ray" and len(launch.nodes) > 1 and not ray_modes_available():
+        raise TargetError("the Ray cluster form needs the image's ray-head / ray-worker modes, which are not there "
+                          "yet; use --set cluster_backend=mp")
+    ssh = shlex.split(request.args.ssh)
+    head, workers = launch.nodes[0], launch.nodes[1:]
+    if head.then:  # Ray: the head's Ray first, then the workers join, then vllm serve on the head
+        order = [(head, head.docker, False), *((w, w.docker, True) for w in workers), (head, head.then, False)]
+    else:
+        order = [*((w, w.docker, True) for w in workers), (head, head.docker, False)]
+    for node, command, remote in order:
+        argv = [*ssh, node.address, shell_join(command)] if remote else command
+        print(f"serve: {shell_join(argv)}", file=sys.stderr, flush=True)
+        done = run(argv, check=False)
+        if done.returncode != 0:
+            return done.returncode
+    return OK
+
+
+def main(argv: list[str] | None = None, *, prog: str = "serve.py", recipes_dir: Path = RECIPES_DIR,
+         default_target: str | None = None, run: Callable = subprocess.run) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        request = parse_request(argv, prog, recipes_dir, default_target, lambda s: sys.stdout.write(s))
+        if isinstance(request, int):
+            return request
+        launch = plan_request(request)
+        sys.stdout.write(describe(launch))
+        if request.args.dry_run:
+            return OK
+        return execute(launch, request, run)
+    except ServeError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+# -- the image's `recipe` mode -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """What the entrypoint does for `docker run IMAGE recipe ...`: exec `argv` with `env` added
+    (after `log`), or print `output` and exit `exit_code`; `error` goes to stderr instead."""
+
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log: str = ""
+    output: str = ""
+    error: str = ""
+    exit_code: int = OK
+
+
+def image_mode(args: list[str], environ: Mapping[str, str]) -> ImagePlan:
+    """`recipe --list`, `recipe NAME --dry-run`, `recipe NAME [--set ...] [-- ...]` inside the
+    image: the image's target is the default (and the only one a launch may use), the recipes are
+    DSA_IMAGE_TOOL/recipes, and a launch serves in this container (one node)."""
+    tool = environ.get("DSA_IMAGE_TOOL", "")
+    if not tool:
+        return ImagePlan(error="DSA_IMAGE_TOOL is not set; the image's Dockerfile sets it", exit_code=1)
+    recipes_dir = Path(tool) / "recipes"
+    image_target = environ.get("DSA_IMAGE_TARGET") or None
+    printed: list[str] = []
+    try:
+        request = parse_request(args, "docker run IMAGE recipe", recipes_dir, image_target, printed.append)
+        if isinstance(request, int):
+            return ImagePlan(output="".join(printed), exit_code=request)
+        launch = plan_request(request)
+        text = describe(launch)
+        if request.args.dry_run:
+            return ImagePlan(output=text)
+        if image_target and launch.target != image_target:
+            raise TargetError(f"this is the {image_target} image; recipe {launch.recipe.name} asked for {launch.target}")
+        if len(launch.nodes) > 1:
+            raise LayoutError(f"recipe {launch.recipe.name} spans {len(launch.nodes)} nodes: start it from a host "
+                              f"with `python3 scripts/serve.py {launch.recipe.name} --nodes ...` (or print the "
+                              f"per-node commands: docker run IMAGE recipe {launch.recipe.name} --dry-run)")
+        env = {k: v for k, v in launch.env.items() if k not in environ}
+        return ImagePlan(argv=launch.vllm, env=env, log=f"dsa-image: recipe {launch.recipe.name}\n{text}")
+    except ServeError as exc:
+        return ImagePlan(output="".join(printed), error=str(exc), exit_code=exc.exit_code)

@@ -1,0 +1,606 @@
+"""Serving recipes: model facts, memory plans, schema errors, overrides, refusals, dry runs, launches,
+the image's recipe mode and the scaled-down forms. No GPU, no vLLM (tests/test_serving_recipes_vllm.py
+checks the recipes against the pinned vLLM)."""
+
+from __future__ import annotations
+
+import ast
+import math
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dsa_image import memory_plan, serving_recipes as sr, tiny_model
+from dsa_image.memory_plan import GIB, GPUS, SCHEMES
+from dsa_image.recipe import load_recipe, recipe_ids
+from dsa_image.validation import recipes as scaled
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "recipes"
+SERVE = REPO / "scripts" / "serve.py"
+BUILD = load_recipe()
+ALL = sr.serve_recipe_names()
+FITTING = {"tiny-glm5", "glm-5-fp8-8xb200", "glm-5.2-nvfp4-8xrtxpro6000", "glm-5.2-nvfp4-8xspark"}
+REFUSED = {"glm-5.2-nvfp4-4xrtxpro6000", "glm-5.2-nvfp4-2xspark", "glm-5.2-nvfp4-4xspark"}
+SPARK8_HOSTS = [f"10.0.0.{i}" for i in range(1, 9)]
+
+
+def model_config(name: str) -> dict:
+    return sr.load_model(name).config
+
+
+def load(name: str, overrides: list[str] = ()) -> sr.ServeRecipe:
+    return sr.apply_overrides(sr.load_serve_recipe(name, build=BUILD), list(overrides), BUILD)
+
+
+# -- model facts ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["glm-5", "glm-5.2"])
+def test_vendored_config_is_transformers_defaults(model):
+    transformers = pytest.importorskip("transformers", reason="transformers is in the dev lock")
+    raw = tomllib.loads((RECIPES / "models" / f"{model}.toml").read_text())
+    source = raw["config_source"]
+    assert (Path(transformers.__file__).parent.parent / source["file"]).is_file()
+    defaults = getattr(transformers, source["class"])()
+    assert {key: getattr(defaults, key) for key in raw["config"]} == raw["config"]
+
+
+def test_tiny_model_facts_are_tiny_model_config():
+    raw = tomllib.loads((RECIPES / "models" / "tiny-glm5.toml").read_text())
+    assert raw["config"] == {key: tiny_model.CONFIG[key] for key in raw["config"]}
+
+
+def test_every_published_value_has_a_source():
+    for path in (RECIPES / "models").glob("*.toml"):
+        raw = tomllib.loads(path.read_text())
+        assert set(raw["published"]) <= set(raw["published_sources"]), path
+        assert all(s.startswith("https://") for s in raw["published_sources"].values()), path
+
+
+def test_parameter_counts_match_published_totals():
+    glm5, glm52 = model_config("glm-5"), model_config("glm-5.2")
+    published = tomllib.loads((RECIPES / "models" / "glm-5.toml").read_text())["published_totals"]
+    assert memory_plan.parameter_count(glm5, with_mtp=False) == pytest.approx(published["parameters_without_mtp"],
+                                                                              rel=0.002)
+    published = tomllib.loads((RECIPES / "models" / "glm-5.2.toml").read_text())["published_totals"]
+    assert memory_plan.parameter_count(glm52, with_mtp=True) == pytest.approx(published["parameters_with_mtp"],
+                                                                              rel=0.002)
+    # "40B active" (GLM-5's model card, NVIDIA's GLM-5.2 card): rounded, hence the looser bound
+    assert memory_plan.active_parameter_count(glm5) == pytest.approx(40e9, rel=0.03)
+    # The tiny model: "about 83M parameters" (dsa_image/tiny_model.py)
+    assert round(memory_plan.parameter_count(tiny_model.CONFIG, with_mtp=False) / 1e6) == 83
+
+
+def test_one_decoder_layer_by_hand():
+    cfg = model_config("glm-5")
+    parts = memory_plan.layer_parts(cfg, moe=True)
+    assert parts["attn.q_b"] == 2048 * 64 * (192 + 64)
+    assert parts["attn.kv_b"] == 512 * 64 * (192 + 256)
+    assert parts["attn.o"] == 64 * 256 * 6144
+    assert parts["indexer.wq_b"] == 2048 * 32 * 128
+    assert parts["mlp.routed_experts"] == 256 * 3 * 6144 * 2048
+    assert "mlp.dense" not in parts and "mlp.routed_experts" not in memory_plan.layer_parts(cfg, moe=False)
+
+
+def test_checkpoint_sizes_match_published_sizes():
+    glm52, glm5 = model_config("glm-5.2"), model_config("glm-5")
+    nvfp4 = memory_plan.checkpoint_bytes(glm52, SCHEMES["nvfp4-routed-experts"], with_mtp=True)
+    assert nvfp4 == pytest.approx(465e9, rel=0.01)  # eugr's recipe: ~465GB
+    assert nvfp4 / GIB == pytest.approx(433, rel=0.01)  # InferenceX #2335: 433 (GiB) total
+    fp8 = memory_plan.checkpoint_bytes(glm5, SCHEMES["fp8-block"], with_mtp=True)
+    assert fp8 / GIB == pytest.approx(704, rel=0.01)  # eugr's 8x-Spark GLM-5-FP8 recipe: ~704 GiB
+
+
+def test_index_topk_pattern_is_vllms_and_the_published_one():
+    recipe_pattern = sr.load_serve_recipe("glm-5.2-nvfp4-8xspark", build=BUILD).vllm["hf_overrides"][
+        "index_topk_pattern"]
+    pattern = memory_plan.index_topk_pattern(model_config("glm-5.2"))
+    assert pattern == recipe_pattern and len(pattern) == 78 and pattern.count("F") == 21
+    assert memory_plan.index_topk_pattern(model_config("glm-5")) == "F" * 78
+    assert memory_plan.index_topk_pattern({"num_hidden_layers": 4, "index_topk_pattern": "FS"}) == "FSFF"
+
+
+@pytest.mark.parametrize("backend, dtype, stored, per_layer", [
+    ("FLASHINFER_MLA_SPARSE_SM120", "fp8_ds_mla", "fp8_ds_mla", 656),
+    ("FLASHINFER_MLA_SPARSE_SM120", "auto", "fp8_ds_mla", 656),
+    ("FLASHINFER_MLA_SPARSE", "fp8", "fp8", 576),
+    ("FLASHINFER_MLA_SPARSE", "auto", "auto", 1152),
+    ("FLASHMLA_SPARSE", "fp8", "fp8_ds_mla", 656),
+    ("FLASHMLA_SPARSE", "auto", "auto", 1152),
+])
+def test_kv_bytes_per_token_follow_vllms_layouts(backend, dtype, stored, per_layer):
+    cfg = model_config("glm-5")
+    assert memory_plan.stored_kv_dtype(backend, dtype) == stored
+    assert memory_plan.mla_bytes_per_token(cfg, backend, dtype) == per_layer
+    assert memory_plan.indexer_bytes_per_token(cfg) == 128 + 4
+    kv = memory_plan.kv_per_token(cfg, backend, dtype, range(78), mtp=True, last_stage=True)
+    assert (kv.mla_layers, kv.indexer_layers, kv.total) == (79, 79, 79 * (per_layer + 132))
+
+
+def test_indexshare_layers_have_no_indexer_cache():
+    kv = memory_plan.kv_per_token(model_config("glm-5.2"), "FLASHINFER_MLA_SPARSE_SM120", "fp8_ds_mla",
+                                  range(78), mtp=True, last_stage=True)
+    assert (kv.mla_layers, kv.indexer_layers) == (79, 22)  # 21 full layers + the MTP layer
+
+
+def test_pipeline_stages_split_layers_and_embeddings():
+    cfg, scheme = model_config("glm-5"), SCHEMES["bf16"]
+    one = memory_plan.stage_weights(cfg, scheme, tp=1, pp=1, mtp=False)
+    two = memory_plan.stage_weights(cfg, scheme, tp=1, pp=2, mtp=True)
+    assert [list(s.layers)[:1] + list(s.layers)[-1:] for s in two] == [[0, 38], [39, 77]]
+    assert "embed" in two[0].breakdown and "lm_head" not in two[0].breakdown
+    assert "lm_head" in two[1].breakdown and "mtp.embed" in two[1].breakdown  # drafter's own copy under PP
+    assert "mtp.embed" not in memory_plan.stage_weights(cfg, scheme, tp=1, pp=1, mtp=True)[0].breakdown
+    assert sum(s.bytes_per_gpu for s in memory_plan.stage_weights(cfg, scheme, 1, 2, False)) == pytest.approx(
+        one[0].bytes_per_gpu)
+
+
+def test_tensor_parallel_shards_only_sharded_parts():
+    cfg, scheme = model_config("glm-5"), SCHEMES["bf16"]
+    one = memory_plan.stage_weights(cfg, scheme, tp=1, pp=1, mtp=False)[0].breakdown
+    eight = memory_plan.stage_weights(cfg, scheme, tp=8, pp=1, mtp=False)[0].breakdown
+    assert eight["mlp.routed_experts"] == one["mlp.routed_experts"] / 8
+    assert eight["attn.q_a"] == one["attn.q_a"]  # replicated on every rank
+
+
+def test_fp8_keeps_bf16_copies_of_kv_b():
+    cfg = model_config("glm-5")
+    fp8 = memory_plan.stage_weights(cfg, SCHEMES["fp8-block"], tp=8, pp=1, mtp=False)[0].breakdown
+    bf16 = memory_plan.stage_weights(cfg, SCHEMES["bf16"], tp=8, pp=1, mtp=False)[0].breakdown
+    assert fp8["attn.kv_b_bf16_copy"] == bf16["attn.kv_b"]
+    assert "attn.kv_b_bf16_copy" not in bf16
+
+
+def test_plan_numbers_by_hand_for_8_sparks():
+    recipe = load("glm-5.2-nvfp4-8xspark")
+    plan = sr.memory_plan_of(recipe, "sm120", BUILD)
+    budget = 0.85 * 121.69 * GIB
+    per_token = 79 * 656 + 22 * 132
+    assert plan.kv.total == per_token
+    assert plan.kv_tokens == int((budget - plan.weights_per_gpu) // (per_token * 64)) * 64
+    assert plan.fits and plan.full_length_sequences == plan.kv_tokens // 393216 >= 1
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_recipes_name_the_numbers(name):
+    recipe = load(name)
+    plan = sr.memory_plan_of(recipe, recipe.targets[0], BUILD)
+    assert not plan.fits
+    assert "does not fit" in plan.problem() and "GiB of weights per GPU" in plan.problem()
+    with pytest.raises(sr.LayoutError, match="does not fit"):
+        sr.plan_launch(recipe, recipe.targets[0], BUILD, hosts=None, solo=False)
+
+
+def test_which_recipes_fit():
+    fits = {name for name in ALL for t in load(name).targets if sr.memory_plan_of(load(name), t, BUILD).fits}
+    assert fits == FITTING and set(ALL) == FITTING | REFUSED
+
+
+def test_a_plan_refuses_too_little_kv_for_one_request():
+    recipe = load("glm-5.2-nvfp4-8xrtxpro6000", ["max_model_len=1048576"])
+    problem = sr.memory_plan_of(recipe, "sm120", BUILD).problem()
+    assert "fewer than max_model_len 1048576" in problem
+
+
+def test_gpu_memory_parsing():
+    assert GPUS["h200"].memory_bytes == 143771 * 2**20
+    assert memory_plan.parse_memory("121.69 GiB") == int(121.69 * GIB)
+    with pytest.raises(ValueError):
+        memory_plan.parse_memory("96 GB")
+
+
+# -- recipe files --------------------------------------------------------------------------
+
+
+def test_every_recipe_loads_and_build_recipes_are_unaffected():
+    assert set(ALL) == FITTING | REFUSED
+    for name in ALL:
+        recipe = sr.load_serve_recipe(name, build=BUILD)
+        assert recipe.name == name and recipe.targets
+    assert recipe_ids() == ["glm5-dsa"]  # recipes/serve and recipes/models are not build recipes
+
+
+def test_every_env_workaround_has_a_reason_and_a_link():
+    for name in ALL:
+        for var in load(name).env:
+            assert var.reason and var.link.startswith("https://"), (name, var)
+
+
+def copy_recipes(tmp_path: Path, name: str, edit) -> Path:
+    root = tmp_path / "recipes"
+    shutil.copytree(RECIPES, root, ignore=shutil.ignore_patterns("locks", "requirements"))
+    path = root / "serve" / f"{name}.toml"
+    path.write_text(edit(path.read_text()))
+    return root
+
+
+SPARK = "glm-5.2-nvfp4-8xspark"
+
+
+@pytest.mark.parametrize("name, edit, error, message", [
+    (SPARK, lambda t: "bogus = 1\n" + t, sr.RecipeFileError, "unknown keys bogus"),
+    (SPARK, lambda t: t.replace('hf_id = "nvidia/GLM-5.2-NVFP4"\n', ""), sr.RecipeFileError, "missing key 'hf_id'"),
+    (SPARK, lambda t: t.replace("max_model_len = 393216", 'max_model_len = "long"'), sr.RecipeFileError,
+     "vllm.max_model_len: expected int"),
+    (SPARK, lambda t: t.replace('model = "glm-5.2"', 'model = "glm-9"'), sr.RecipeFileError, "unknown model 'glm-9'"),
+    (SPARK, lambda t: t.replace('quantization = "nvfp4-routed-experts"', 'quantization = "int3"'),
+     sr.RecipeFileError, "quantization 'int3' unknown"),
+    (SPARK, lambda t: t.replace('sm120 = "dgx-spark"', 'sm120 = "b200"'), sr.RecipeFileError, "needs the sm100 image"),
+    (SPARK, lambda t: t.replace('sm120 = "dgx-spark"', 'sm75 = "dgx-spark"'), sr.RecipeFileError,
+     "not a target of glm5-dsa"),
+    (SPARK, lambda t: t.replace('link = "https://github.com/flashinfer-ai/flashinfer/issues/3610"\n', ""),
+     sr.RecipeFileError, "needs exactly value, reason and link"),
+    (SPARK, lambda t: t.replace("https://github.com/flashinfer-ai/flashinfer/issues/3610", "see chat"),
+     sr.RecipeFileError, "must be an https:// URL"),
+    (SPARK, lambda t: t.replace("max_num_batched_tokens = 64\n", ""), sr.RecipeFileError,
+     "sets no vllm.max_num_batched_tokens"),
+    (SPARK, lambda t: t.replace('kv_cache_dtype = "fp8_ds_mla"', 'kv_cache_dtype = "bfloat16"'),
+     sr.RecipeFileError, "does not take kv_cache_dtype 'bfloat16'"),
+    (SPARK, lambda t: t.replace("block_size = 64", "block_size = 128"), sr.RecipeFileError, "takes block sizes 64, 256"),
+    (SPARK, lambda t: t.replace('index_topk_pattern = "FFFS', 'index_topk_pattern = "FFFF'), sr.RecipeFileError,
+     "differs from the one glm-5.2's config gives"),
+    (SPARK, lambda t: t.replace("max_model_len = 393216", "max_model_len = 2000000"), sr.RecipeFileError,
+     "exceeds the model's max_position_embeddings 1048576"),
+    (SPARK, lambda t: t.replace('attention_backend = "FLASHINFER_MLA_SPARSE_SM120"',
+                                'attention_backend = "FLASHINFER_MLA_SPARSE"'), sr.TargetError,
+     "runs on compute capability 10.x"),
+    ("tiny-glm5", lambda t: t.replace('port = 8000', 'port = 8000\nspeculative_method = "mtp"\n'
+                                      'num_speculative_tokens = 1'), sr.RecipeFileError,
+     "MTP needs a model with an MTP layer"),
+    (SPARK, lambda t: t.replace("tensor_parallel_size = 8", "tensor_parallel_size = 3"), sr.LayoutError,
+     "tensor_parallel_size 3 does not divide the 64 attention heads"),
+    (SPARK, lambda t: t.replace("pipeline_parallel_size = 1", "pipeline_parallel_size = 5"), sr.LayoutError,
+     "pipeline_parallel_size 5 does not divide the 78 layers"),
+    (SPARK, lambda t: t.replace("nodes = 8", "nodes = 4"), sr.LayoutError, "4 node(s) x 1 GPU(s) = 4 GPUs"),
+    (SPARK, lambda t: t + "[[", sr.RecipeFileError, "not valid TOML"),
+])
+def test_schema_errors_name_the_problem(tmp_path, name, edit, error, message):
+    root = copy_recipes(tmp_path, name, edit)
+    with pytest.raises(error) as caught:
+        sr.load_serve_recipe(name, root, BUILD)
+    assert message in str(caught.value)
+    assert type(caught.value) is error
+
+
+def test_model_file_errors(tmp_path):
+    root = copy_recipes(tmp_path, "tiny-glm5", lambda t: t)
+    model = root / "models" / "glm-5.2.toml"
+    model.write_text(model.read_text().replace('index_skip_topk_offset = "https://github.com/eugr/spark-vllm-docker/'
+                                               'blob/main/recipes/glm-5.2-nvfp4.yaml"\n', ""))
+    with pytest.raises(sr.RecipeFileError, match="without a source in \\[published_sources\\]: index_skip_topk_offset"):
+        sr.load_model("glm-5.2", root)
+
+
+# -- overrides and vLLM arguments ----------------------------------------------------------
+
+
+def test_overrides_are_typed_and_rendered():
+    recipe = load(SPARK, ["max_model_len=65536", "enable_prefix_caching=false", "num_speculative_tokens=3",
+                          "env.NCCL_DEBUG=INFO", "hf_id=/models/glm52"])
+    args = sr.vllm_args(recipe, "sm120", BUILD, ["--enable-log-requests"])
+    assert args[0] == "/models/glm52"
+    assert args[args.index("--max-model-len") + 1] == "65536"
+    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+    assert args[args.index("--speculative-config") + 1] == '{"method":"mtp","num_speculative_tokens":3}'
+    assert args[-1] == "--enable-log-requests"
+    assert sr.environment(recipe, "sm120", BUILD)["NCCL_DEBUG"] == "INFO"
+
+
+def test_unsetting_a_setting_falls_back_to_the_target_default():
+    recipe = load("tiny-glm5", ["attention_backend="])
+    args = sr.vllm_args(recipe, "sm90", BUILD)
+    assert args[args.index("--attention-backend") + 1] == "FLASHMLA_SPARSE"
+    assert args[args.index("--kv-cache-dtype") + 1] == "auto"
+
+
+@pytest.mark.parametrize("assignment, error, message", [
+    ("gpu_memory_utilization=lots", sr.RecipeFileError, "is not float"),
+    ("enable_prefix_caching=maybe", sr.RecipeFileError, "is not a boolean"),
+    ("colour=blue", sr.RecipeFileError, "unknown key 'colour'"),
+    ("max_model_len", sr.RecipeFileError, "expected KEY=VALUE"),
+    ("tensor_parallel_size=6", sr.LayoutError, "does not divide the 64 attention heads"),
+    ("gpu_memory_utilization=1.5", sr.RecipeFileError, "must be in (0, 1]"),
+    ("hardware.sm120=nope", sr.RecipeFileError, "unknown GPU 'nope'"),
+])
+def test_bad_overrides(assignment, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load(SPARK, [assignment])
+
+
+# -- dry runs and refusals from the command line --------------------------------------------
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    # From / and with the checkout's python alone: a fresh clone without a GPU, as a user runs it.
+    return subprocess.run([sys.executable, str(SERVE), *args], capture_output=True, text=True, cwd="/")
+
+
+def test_cli_list():
+    done = serve("--list")
+    assert done.returncode == 0, done.stderr
+    for name in ALL:
+        assert name in done.stdout
+    assert done.stdout.count("REFUSED: does not fit") == len(REFUSED)
+
+
+def test_cli_dry_run_solo_prints_the_exact_commands():
+    done = serve("glm-5.2-nvfp4-8xrtxpro6000", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    docker = next(shlex.split(line) for line in done.stdout.splitlines() if line.startswith("docker run"))
+    recipe = load("glm-5.2-nvfp4-8xrtxpro6000")
+    image = docker.index("dsa-image:0.24.0-sm120")
+    assert docker[image + 1:] == ["serve", *sr.vllm_args(recipe, "sm120", BUILD)]
+    for expected in (["--gpus", "all"], ["--ipc=host"], ["-p", "8000:8000"], ["-e", "VLLM_USE_FLASHINFER_SAMPLER=0"],
+                     ["-e", "VLLM_USE_B12X_SPARSE_INDEXER=1"]):
+        assert any(docker[i:i + len(expected)] == expected for i in range(image)), expected
+    assert any(w.endswith(":/home/vllm/.cache/huggingface") for w in docker)
+    assert "KV tokens that fit: 553216" in done.stdout
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["glm-5.2-nvfp4-8xspark", "--solo", "--dry-run"], 4, "is cluster-only: it needs 8 nodes"),
+    (["glm-5.2-nvfp4-4xrtxpro6000", "--dry-run"], 4, "111.6 GiB of weights per GPU"),
+    (["glm-5.2-nvfp4-8xrtxpro6000", "--dry-run", "--target", "sm90"], 5, "runs on the sm120 image(s), not sm90"),
+    (["glm-5.2-nvfp4-8xspark", "--dry-run", "--nodes", "a,b"], 4, "needs 8 node(s), --nodes gave 2"),
+    (["glm-5.2-nvfp4-8xspark", "--dry-run", "--set", "tensor_parallel_size=5"], 4, "does not divide the 64"),
+    (["glm-5.2-nvfp4-8xspark", "--dry-run", "--set", "pipeline_parallel_size=5", "--set", "nodes=40"], 4,
+     "does not divide the 78 layers"),
+    (["glm-9", "--dry-run"], 2, "unknown recipe 'glm-9'"),
+    (["--dry-run"], 2, "name a recipe"),
+])
+def test_cli_refusals(args, code, message):
+    done = serve(*args)
+    assert (done.returncode, message in done.stderr) == (code, True), done.stderr
+
+
+def cluster(backend: str, monkeypatch, ray_modes: bool = False) -> sr.Launch:
+    monkeypatch.setattr(sr, "ray_modes_available", lambda: ray_modes)
+    recipe = load(SPARK, [f"cluster_backend={backend}"])
+    return sr.plan_launch(recipe, "sm120", BUILD, hosts=SPARK8_HOSTS, solo=False, ifname="enp1s0")
+
+
+def test_mp_cluster_runs_headless_workers(monkeypatch):
+    launch = cluster("mp", monkeypatch)
+    for node in launch.nodes:
+        words = node.docker
+        assert words[words.index("--node-rank") + 1] == str(node.rank)
+        assert words[words.index("--master-addr") + 1] == "10.0.0.1"
+        assert ("--headless" in words) == (node.rank > 0) and ("-d" in words) == (node.rank > 0)
+        assert "--network" in words and "NCCL_SOCKET_IFNAME=enp1s0" in words
+    assert launch.vllm[:2] == ["vllm", "serve"] and "--headless" not in launch.vllm
+    assert not any("PENDING" in n for n in launch.notes)
+
+
+def test_ray_cluster_follows_run_cluster_sh(monkeypatch):
+    launch = cluster("ray", monkeypatch)
+    head, workers = launch.nodes[0], launch.nodes[1:]
+    assert head.docker[-3:] == ["ray-head", "--port", "6379"]
+    assert all(w.docker[-3:] == ["ray-worker", "--address", "10.0.0.1:6379"] for w in workers)
+    assert head.then[:3] == ["docker", "exec", "dsa-glm-5.2-nvfp4-8xspark-head"]
+    assert head.then[-2:] == ["--distributed-executor-backend", "ray"]
+    assert any(f"VLLM_HOST_IP={w.address}" in w.docker for w in workers)
+    assert any("PENDING" in n for n in launch.notes)
+    assert not any("PENDING" in n for n in cluster("ray", monkeypatch, ray_modes=True).notes)
+
+
+def test_ray_modes_are_looked_up_in_the_entrypoint():
+    from dsa_image import entrypoint
+    assert sr.ray_modes_available() == ({"ray-head", "ray-worker"} <= set(entrypoint.MODES))
+
+
+# -- launching -----------------------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self, nvidia_smi: str = "NVIDIA RTX PRO 6000 Blackwell, 12.0\n"):
+        self.calls, self.nvidia_smi = [], nvidia_smi
+
+    def __call__(self, argv, **_):
+        self.calls.append(argv)
+        out = self.nvidia_smi if argv[0] == "nvidia-smi" else ""
+        return SimpleNamespace(returncode=0, stdout=out, stderr="")
+
+
+@pytest.fixture
+def with_nvidia_smi(monkeypatch):
+    monkeypatch.setattr(sr.shutil, "which", lambda name: f"/usr/bin/{name}")
+
+
+def test_launch_solo_runs_docker_here(with_nvidia_smi, capsys):
+    run = Recorder()
+    assert sr.main(["glm-5.2-nvfp4-8xrtxpro6000"], run=run) == 0
+    assert run.calls[0][0] == "nvidia-smi"
+    assert run.calls[1][:3] == ["docker", "run", "--rm"] and len(run.calls) == 2
+
+
+def test_launch_mp_cluster_starts_workers_over_ssh_then_the_head(with_nvidia_smi, monkeypatch):
+    monkeypatch.setattr(sr, "host_gpu_problem", lambda *a, **k: None)
+    run = Recorder()
+    code = sr.main([SPARK, "--set", "cluster_backend=mp", "--nodes", ",".join(SPARK8_HOSTS)], run=run)
+    assert code == 0
+    assert [c[:2] for c in run.calls[:7]] == [["ssh", h] for h in SPARK8_HOSTS[1:]]
+    assert "--node-rank 1" in run.calls[0][2] and run.calls[-1][:2] == ["docker", "run"]
+
+
+def test_launch_ray_cluster_is_refused_while_the_modes_are_missing(monkeypatch):
+    monkeypatch.setattr(sr, "host_gpu_problem", lambda *a, **k: None)
+    monkeypatch.setattr(sr, "ray_modes_available", lambda: False)
+    assert sr.main([SPARK, "--nodes", ",".join(SPARK8_HOSTS)], run=Recorder()) == sr.TARGET
+
+
+def test_wrong_gpu_family_is_refused(with_nvidia_smi):
+    run = Recorder(nvidia_smi="NVIDIA H200, 9.0\n")
+    problem = sr.host_gpu_problem("sm120", BUILD, run)
+    assert "built for compute capability 12.0, 12.1; this host has NVIDIA H200 (9.0)" in problem
+    assert sr.main(["glm-5.2-nvfp4-8xrtxpro6000"], run=run) == sr.TARGET
+    assert sr.host_gpu_problem("sm90", BUILD, run) is None
+
+
+def test_no_driver_is_refused_but_dry_run_needs_none(monkeypatch):
+    monkeypatch.setattr(sr.shutil, "which", lambda name: None)
+    assert "nvidia-smi not found" in sr.host_gpu_problem("sm120", BUILD)
+    assert sr.main(["tiny-glm5", "--dry-run"], run=Recorder()) == 0
+
+
+# -- the image's recipe mode ---------------------------------------------------------------
+
+IMAGE_ENV = {"DSA_IMAGE_TOOL": str(REPO), "DSA_IMAGE_TARGET": "sm120", "DSA_IMAGE_RECIPE": "glm5-dsa"}
+
+
+def test_image_mode_list_and_dry_run():
+    listing = sr.image_mode(["--list"], IMAGE_ENV)
+    assert listing.exit_code == 0 and "tiny-glm5" in listing.output and "sm90" not in listing.output
+    dry = sr.image_mode(["glm-5.2-nvfp4-8xspark", "--dry-run"], IMAGE_ENV)
+    assert dry.exit_code == 0 and not dry.argv and "ray-worker --address HEAD_ADDR:6379" in dry.output
+
+
+def test_image_mode_serves_in_this_container():
+    plan = sr.image_mode(["tiny-glm5"], {**IMAGE_ENV, "VLLM_USE_B12X_SPARSE_INDEXER": "0"})
+    assert plan.argv[:3] == ["vllm", "serve", "/opt/dsa-image/models/tiny-glm5"]
+    assert plan.argv[plan.argv.index("--attention-backend") + 1] == "FLASHINFER_MLA_SPARSE_SM120"
+    assert "VLLM_USE_B12X_SPARSE_INDEXER" not in plan.env  # the container's own value wins
+
+
+@pytest.mark.parametrize("args, environ, code, message", [
+    (["glm-5-fp8-8xb200"], IMAGE_ENV, 5, "runs on the sm100 image(s), not sm120"),
+    (["glm-5.2-nvfp4-8xspark", "--nodes", ",".join(SPARK8_HOSTS)], IMAGE_ENV, 4, "start it from a host"),
+    (["glm-5.2-nvfp4-4xspark"], IMAGE_ENV, 4, "does not fit"),
+    (["tiny-glm5"], {}, 1, "DSA_IMAGE_TOOL is not set"),
+])
+def test_image_mode_refusals(args, environ, code, message):
+    plan = sr.image_mode(args, environ)
+    assert (plan.exit_code, not plan.argv) == (code, True) and message in plan.error
+
+
+# -- scaled-down forms ---------------------------------------------------------------------
+
+
+def test_scaled_down_keeps_what_sm90_runs_and_names_what_it_changes():
+    run = scaled.scale_down(load("glm-5.2-nvfp4-8xspark"), BUILD)
+    args = run.args
+    assert args[args.index("--attention-backend") + 1] == "FLASHMLA_SPARSE"
+    for kept in (["--kv-cache-dtype", "fp8_ds_mla"], ["--block-size", "64"], ["--max-num-batched-tokens", "64"],
+                 ["--reasoning-parser", "glm45"], ["--tool-call-parser", "glm47"], ["--load-format", "dummy"],
+                 ["--max-model-len", "8192"]):
+        assert args[args.index(kept[0]) + 1] == kept[1], kept
+    assert "--tensor-parallel-size" not in args and run.mtp
+    assert run.env == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    sm90 = {c.what for c in run.changes if c.sm90}
+    assert sm90 == {"--attention-backend", "VLLM_USE_B12X_SPARSE_INDEXER"}
+
+
+def test_scaled_down_runs_are_deduplicated():
+    runs = scaled.scaled_runs(ALL, BUILD, gpus=1)
+    assert sorted(len(r.recipes) for r in runs) == [1, 1, 2, 3]
+    assert sorted(r for run in runs for r in run.recipes) == sorted(ALL)
+
+
+def test_scaled_down_layout_uses_the_gpus_given():
+    run = scaled.scale_down(load("glm-5.2-nvfp4-8xrtxpro6000"), BUILD, gpus=2)
+    assert run.args[run.args.index("--tensor-parallel-size") + 1] == "2"
+
+
+# -- code shape ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["serving_recipes.py", "memory_plan.py"])
+def test_runner_modules_are_stdlib_only(module):
+    tree = ast.parse((REPO / "dsa_image" / module).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported.add(node.module.split(".")[0])
+    assert imported - set(sys.stdlib_module_names) == set()
+
+
+def test_docs_name_every_recipe():
+    text = (REPO / "docs" / "recipes.md").read_text()
+    assert [name for name in ALL if f"`{name}`" not in text] == []
+
+
+def test_gpu_table_sources_and_targets():
+    for gpu in GPUS.values():
+        assert gpu.target in BUILD.targets and gpu.source
+        assert f"{gpu.capability[0]}.{gpu.capability[1]}" in BUILD.target(gpu.target).cuda_arch
+    assert math.isclose(GPUS["b200"].memory_bytes / GIB, 179.06, rel_tol=1e-3)
+
+
+FAKE_VLLM = '''
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+assert args[0] == "serve"
+port = int(args[args.index("--port") + 1])
+if "--fail" in args:
+    sys.exit(7)
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        self.reply({})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/v1/completions":
+            self.reply({"choices": [{"text": "tok" * body["max_tokens"], "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}})
+        else:
+            self.reply({"choices": [{"message": {"content": "hi", "tool_calls": []}}]})
+print("fake vllm", " ".join(args), flush=True)
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def fake_vllm_site(tmp_path: Path) -> Path:
+    site = tmp_path / "site"
+    cli = site / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for package in (site / "vllm", site / "vllm" / "entrypoints", cli):
+        (package / "__init__.py").write_text("")
+    (cli / "main.py").write_text(FAKE_VLLM)
+    return site
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_validation_runner_serves_asks_and_records(tmp_path):
+    site, out, work = fake_vllm_site(tmp_path), tmp_path / "out", tmp_path / "work"
+    code = scaled.main(["--out", str(out), "--work", str(work), "--only", "glm-5.2-nvfp4-8xspark",
+                        "--site-packages", str(site), "--port", str(free_port()), "--timeout", "60"])
+    assert code == 0
+    result = __import__("json").loads((out / "glm-5.2-nvfp4-8xspark.json").read_text())
+    assert result["ok"] and result["long"]["prompt_tokens"] == scaled.LONG_PROMPT
+    assert result["short"]["prompt_tokens"] == scaled.SHORT_PROMPT and result["chat_with_tool"]["ok"]
+    assert str(work / "models" / "tiny-glm5-mtp") in (out / "glm-5.2-nvfp4-8xspark.log").read_text()
+    assert result["env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert tiny_model.model_dir_differences(work / "models" / "tiny-glm5-mtp", tiny_model.MTP_CONFIG) == []
+    summary = __import__("json").loads((out / "summary.json").read_text())
+    assert summary["ok"] and [r["run"] for r in summary["runs"]] == ["glm-5.2-nvfp4-8xspark"]
+
+
+def test_validation_runner_reports_a_server_that_dies(tmp_path, monkeypatch):
+    site, out = fake_vllm_site(tmp_path), tmp_path / "out"
+    real = scaled.scale_down
+    monkeypatch.setattr(scaled, "scale_down", lambda *a, **k: (lambda r: scaled.ScaledRun(
+        r.name, r.recipes, r.mtp, [*r.args, "--fail"], r.env, r.changes))(real(*a, **k)))
+    code = scaled.main(["--out", str(out), "--work", str(tmp_path / "work"), "--only", "tiny-glm5",
+                        "--site-packages", str(site), "--port", str(free_port()), "--timeout", "60"])
+    result = __import__("json").loads((out / "tiny-glm5.json").read_text())
+    assert code == 1 and not result["ok"] and "exited with 7" in result["error"]

@@ -1,0 +1,186 @@
+"""Every serving recipe against the pinned vLLM itself (the image's `test` stage; skipped where vLLM
+is not installed): each node's `vllm serve` arguments parse with vLLM's own serve parser and
+engine-argument constructor, every parser, backend, speculative method and variable a recipe names
+exists in this vLLM, and the cache layouts the memory plan assumes are vLLM's."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="needs the pinned vLLM (the image's test stage has it)")
+
+from dsa_image import memory_plan, serving_recipes as sr  # noqa: E402
+from dsa_image.recipe import load_recipe  # noqa: E402
+from dsa_image.validation import recipes as scaled  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD = load_recipe()
+NAMES = sr.serve_recipe_names()
+HOSTS = {n: [f"10.0.0.{i}" for i in range(1, n + 1)] for n in (2, 4, 8)}
+
+
+def test_the_pinned_vllm():
+    assert vllm.__version__ == BUILD.vllm_version
+
+
+@pytest.fixture(scope="module")
+def serve_parser():
+    """vLLM 0.24.0's `vllm serve` parser, as vllm/entrypoints/cli/serve.py builds it. Building it
+    resolves the device; on a host without a GPU that is vLLM's UnspecifiedPlatform, which has no
+    device type, so a CUDA-typed one stands in for the parser's defaults (nothing runs on it)."""
+    import vllm.platforms as platforms
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.platforms.interface import UnspecifiedPlatform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    saved = platforms._current_platform
+    if not platforms.current_platform.device_type:
+        class CudaTyped(UnspecifiedPlatform):
+            device_type = "cuda"
+            device_name = "cuda"
+
+        platforms._current_platform = CudaTyped()
+    try:
+        yield make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    finally:
+        platforms._current_platform = saved
+
+
+def forms(name: str, target: str) -> list[tuple[str, list[str]]]:
+    """Every `vllm serve` argument list a launch of this recipe runs: one per distinct node role."""
+    recipe = sr.load_serve_recipe(name, build=BUILD)
+    # vllm_args: what a launch runs (tests/test_serving_recipes.py checks the dry run prints it),
+    # also for the layouts the memory plan refuses
+    if recipe.nodes == 1:
+        return [("solo", sr.vllm_args(recipe, target, BUILD))]
+    out = []
+    for backend in sr.CLUSTER_BACKENDS:
+        variant = sr.apply_overrides(recipe, [f"cluster_backend={backend}"], BUILD)
+        args = sr.vllm_args(variant, target, BUILD)
+        if backend == "ray":
+            out.append(("ray head", [*args, "--distributed-executor-backend", "ray"]))
+        else:
+            for rank in (0, 1):
+                extra = ["--nnodes", str(recipe.nodes), "--node-rank", str(rank), "--master-addr", "10.0.0.1",
+                         "--master-port", str(sr.MP_MASTER_PORT)] + (["--headless"] if rank else [])
+                out.append((f"mp rank {rank}", [*args, *extra]))
+    return out
+
+
+CASES = [(n, t, role, args) for n in NAMES for t in sr.load_serve_recipe(n, build=BUILD).targets
+         for role, args in forms(n, t)]
+
+
+@pytest.mark.parametrize("name, target, role, args", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def test_recipe_arguments_parse_with_vllm(serve_parser, name, target, role, args):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+
+    recipe = sr.load_serve_recipe(name, build=BUILD)
+    parsed = serve_parser.parse_args(args)
+    validate_parsed_serve_args(parsed)
+    engine = AsyncEngineArgs.from_cli_args(parsed)
+    assert parsed.model_tag == recipe.hf_id
+    assert engine.tensor_parallel_size == recipe.tp and engine.pipeline_parallel_size == recipe.pp
+    assert engine.kv_cache_dtype == sr.kv_cache_dtype(recipe, target, BUILD)
+    assert str(engine.attention_backend).split(".")[-1] == sr.attention_backend(recipe, target, BUILD)
+    assert engine.max_model_len == recipe.vllm["max_model_len"]
+    if recipe.uses_mtp:
+        assert engine.speculative_config == {"method": "mtp",
+                                             "num_speculative_tokens": recipe.vllm["num_speculative_tokens"]}
+    if "hf_overrides" in recipe.vllm:
+        assert engine.hf_overrides == recipe.vllm["hf_overrides"]
+    if role.startswith("mp"):
+        assert engine.nnodes == recipe.nodes and parsed.headless == (role == "mp rank 1")
+
+
+@pytest.mark.parametrize("run", scaled.scaled_runs(NAMES, BUILD, gpus=1), ids=lambda r: r.name)
+def test_scaled_down_arguments_parse_with_vllm(serve_parser, run):
+    parsed = serve_parser.parse_args(["/models/tiny-glm5", *run.args])
+    assert parsed.attention_backend is not None and parsed.load_format == "dummy"
+
+
+def test_named_parsers_methods_and_backends_exist():
+    from vllm.config.cache import CacheDType
+    from vllm.config.speculative import SpeculativeMethod
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    tools, reasoning = set(ToolParserManager.list_registered()), set(ReasoningParserManager.list_registered())
+    backends = {b.name for b in AttentionBackendEnum}
+    for name in NAMES:
+        recipe = sr.load_serve_recipe(name, build=BUILD)
+        vllm_settings = recipe.vllm
+        assert vllm_settings.get("tool_call_parser", "glm47") in tools, name
+        assert vllm_settings.get("reasoning_parser", "glm45") in reasoning, name
+        assert vllm_settings.get("speculative_method", "mtp") in typing.get_args(SpeculativeMethod), name
+        for target in recipe.targets:
+            assert sr.attention_backend(recipe, target, BUILD) in backends, (name, target)
+            assert sr.kv_cache_dtype(recipe, target, BUILD) in typing.get_args(CacheDType), (name, target)
+    assert set(memory_plan.BACKENDS) <= backends
+
+
+def test_named_environment_variables_exist():
+    import vllm.envs as envs
+
+    overlay_envs = (REPO / "overlay" / "vllm" / "envs.py").read_text()
+    for name in NAMES:
+        recipe = sr.load_serve_recipe(name, build=BUILD)
+        for target in recipe.targets:
+            for var in sr.environment(recipe, target, BUILD):
+                if var.startswith("VLLM_"):
+                    # the overlay's own variables exist in the overlaid vLLM (the image's)
+                    assert var in envs.environment_variables or f'"{var}"' in overlay_envs, (name, var)
+
+
+def test_backend_table_is_vllms():
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    for name, spec in memory_plan.BACKENDS.items():
+        cls = AttentionBackendEnum[name].get_class()
+        assert tuple(cls.supported_kv_cache_dtypes) == spec.kv_cache_dtypes, name
+        assert tuple(cls.get_supported_kernel_block_sizes()) == spec.block_sizes, name
+        majors = tuple(m for m in range(7, 13) if cls.supports_compute_capability(DeviceCapability(m, 0)))
+        assert majors == spec.capability_majors, name
+        assert cls.get_supported_head_sizes() == [576], name
+
+
+def test_kv_layouts_are_vllms():
+    import torch
+    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseSM120Backend
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    assert FlashMLASparseBackend.get_kv_cache_shape(1, 64, 1, 576, "fp8_ds_mla")[-1] == memory_plan.FP8_DS_MLA_BYTES
+    assert FlashInferMLASparseSM120Backend.get_kv_cache_shape(1, 64, 1, 576, "auto")[-1] == memory_plan.FP8_DS_MLA_BYTES
+    ds = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8, cache_dtype_str="fp8_ds_mla")
+    assert ds.page_size_bytes == 64 * memory_plan.FP8_DS_MLA_BYTES
+    fp8 = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.float8_e4m3fn,
+                           cache_dtype_str="fp8")
+    assert fp8.page_size_bytes == 64 * 576
+    cfg = sr.load_model("glm-5").config
+    indexer = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=memory_plan.indexer_bytes_per_token(cfg),
+                               dtype=torch.uint8)
+    assert indexer.page_size_bytes == 64 * 132
+
+
+def test_the_rules_the_plan_mirrors_are_in_this_vllm():
+    """Rules the plan reimplements, pinned to the source lines they come from."""
+    from vllm.model_executor.layers.attention import mla_attention
+    from vllm.model_executor.models import deepseek_v2
+    from vllm.v1.spec_decode import llm_base_proposer
+
+    v2 = inspect.getsource(deepseek_v2)
+    assert "max(layer_id - _index_skip_topk_offset + 1, 0) % _index_topk_freq" in v2
+    assert 'getattr(config, "index_skip_topk_offset", 2)' in v2
+    assert "head_dim=self.head_dim + self.head_dim // self.quant_block_size * 4" in v2
+    canonical = inspect.getsource(mla_attention._canonicalize_sparse_mla_kv_cache_dtype)
+    assert '"FLASHINFER_MLA_SPARSE_SM120"' in canonical and '"FLASHMLA_SPARSE"' in canonical
+    proposer = inspect.getsource(llm_base_proposer)
+    assert "if get_pp_group().world_size == 1:" in proposer  # MTP shares the embedding only without PP
