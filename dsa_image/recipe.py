@@ -26,6 +26,7 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _VERSION = re.compile(r"[0-9]+(\.[0-9]+)*([a-z0-9.+-]*)")
 _PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][A-Za-z0-9.+-]*)")
 _TARGET_ID = re.compile(r"[a-z0-9_]+")
+_RECIPE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 class RecipeError(Exception):
@@ -133,8 +134,9 @@ def recipe_ids(recipes_dir: Path = RECIPES_DIR) -> list[str]:
 
 
 def recipe_path(recipe_id: str, recipes_dir: Path = RECIPES_DIR) -> Path:
+    """recipes/<id>.toml; an id is a plain name, so it can never reach outside recipes/."""
     path = recipes_dir / f"{recipe_id}.toml"
-    if not path.is_file():
+    if not _RECIPE_ID.fullmatch(recipe_id) or not path.is_file():
         valid = ", ".join(recipe_ids(recipes_dir)) or "(none)"
         raise RecipeError(f"unknown recipe {recipe_id!r}; valid recipes: {valid}")
     return path

@@ -7,38 +7,67 @@ commands:
   apply --site-packages DIR     verify every upstream file, then copy, refresh bytecode, re-hash
         [--recipe ID] [--receipt FILE]
                                 and write the receipt (default DIR/vllm_overlay_receipt.json);
-                                all or nothing, never imports vLLM
-  verify [--site-packages DIR] [--python EXE] [--receipt FILE]
-                                re-hash against the receipt, then import every overlaid module
-                                in a fresh EXE (default: this python) started outside the repo
-                                and require it to come from DIR (default: EXE's purelib)
+                                one transaction: all or nothing, even on Ctrl-C/SIGTERM; never
+                                imports vLLM. Also after `pip install --force-reinstall vllm`
+                                (the overlay's own leftovers are taken over)
+  revert --site-packages DIR    upstream vLLM back: the replaced files (kept by apply in
+        [--receipt FILE]        DIR/.vllm_overlay_originals) restored, the overlay's new files,
+                                their bytecode and the receipt removed; all or nothing. After a
+                                pip reinstall it only removes the overlay's leftovers
+  verify [--site-packages DIR] [--python EXE] [--receipt FILE] [--recipe ID]
+                                re-hash against the receipt (written for --recipe, default
+                                $DSA_IMAGE_RECIPE or glm5-dsa), then import every overlaid
+                                module in a fresh EXE (default: this python) started outside
+                                the repo, require it to come from DIR (default: EXE's purelib)
+                                and to run code compiled from the installed file; writes nothing
   diff                          unified diff of each overlay file against the pinned wheel
   record PATH... --why TEXT     add or update entries (PATH like vllm/envs.py); hashes are
                                 computed from overlay/PATH and the pinned wheel
   record --refresh              recompute every entry's hashes, keeping each `why`
   record --remove PATH...       drop entries
+  rebase --to VERSION [--out DIR] [--report-dir DIR] [--target-python PY]
+         [--wheel FILE --wheel-sha256 SHA]
+                                3-way merge of each overlay file onto vLLM VERSION (wheel
+                                hash-checked) into DIR (default build/rebase/<from>-to-<to>/),
+                                never overlay/; report.md/.json per named change
+                                (overlay/changes.toml); records nothing
+
+apply, revert and verify lock DIR (flock on the directory): a second one waits up to
+--lock-timeout seconds (default 120), then exits 4. A run killed outright (SIGKILL) leaves
+DIR/.vllm_overlay_txn; the next apply or revert finishes or rolls it back first, verify
+exits 1 saying so. docs/overlay.md has the details.
 
 exit codes:
   0  ok
   1  verification mismatch: an installed file or the receipt differs from what apply wrote
-     (tampered receipt, file changed afterwards), or a module is imported from elsewhere
-  2  bad usage or input: unknown recipe, malformed manifest, missing or unrecorded overlay
-     file, overlay file changed without `record`, no vLLM in the target
-  3  upstream drift: the installed (or pinned) vLLM is not the one the overlay was made for;
-     nothing was changed
-  4  cannot write: read-only target or a failed write; every file was restored
+     (tampered receipt, file changed afterwards, another recipe), a module is imported from
+     elsewhere or runs bytecode not compiled from its file, or a killed run left its journal
+  2  bad usage or input: unknown recipe, malformed or too deeply nested manifest or receipt,
+     a path with a NUL byte, missing or unrecorded overlay file, overlay file changed without
+     `record`, no vLLM or no directory at --site-packages, a --python that cannot run, a
+     --receipt inside vllm/ or naming a file that is not a receipt
+  3  upstream drift: the installed (or pinned) vLLM is not the one the overlay was made for,
+     or (revert) a file is neither upstream nor the overlay's; nothing was changed
+  4  cannot write: read-only target, a failed write, or the lock still busy after
+     --lock-timeout; every file was restored, unless the message says RESTORE FAILED: it then
+     names each file, where its original is kept, and the revert command that finishes it
+  5  rebase: the merge left conflicts (the report shows both sides); nothing was recorded
+  SIGINT/SIGTERM/SIGHUP during apply or revert: every file is restored, then the tool exits
+  by that signal (128+N in a shell)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image import bake, overlay  # noqa: E402
+from dsa_image import bake, overlay, rebase  # noqa: E402
 from dsa_image.recipe import DEFAULT_RECIPE, REPO_ROOT, load_recipe  # noqa: E402
 
 
@@ -48,41 +77,55 @@ def say(message: str) -> None:
 
 def purelib_of(python: str) -> Path:
     """The site-packages of the environment `python` belongs to."""
-    done = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, cwd="/")
+    try:
+        done = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, cwd="/")
+    except (OSError, ValueError) as exc:
+        raise overlay.OverlayError(overlay.BAD_INPUT, f"{python}: cannot run it ({getattr(exc, 'strerror', None) or exc})") from exc
     if done.returncode != 0:
         raise overlay.OverlayError(overlay.BAD_INPUT, f"{python}: cannot run it to find its site-packages: {done.stderr.strip()}")
     return Path(done.stdout.strip())
 
 
 def run(args) -> int:
-    manifest = Path(args.manifest)
+    if args.command == "rebase":
+        return rebase.run_rebase(args)
+    manifest, overlay_dir = Path(args.manifest), Path(args.overlay_dir)
+    site = Path(args.site_packages) if getattr(args, "site_packages", None) is not None else None
+    receipt = Path(args.receipt) if getattr(args, "receipt", None) is not None else None
     if args.command == "check":
-        for line in overlay.check(args.recipe, manifest, Path(args.overlay_dir)):
+        for line in overlay.check(args.recipe, manifest, overlay_dir):
             say(line)
     elif args.command == "apply":
-        receipt = overlay.apply(Path(args.site_packages), args.recipe, manifest, Path(args.overlay_dir),
-                                Path(args.receipt) if args.receipt else None)
-        say(f"applied {len(receipt['files'])} files over vLLM {receipt['vllm_version']} in {args.site_packages}")
+        written = overlay.apply(site, args.recipe, manifest, overlay_dir, receipt,
+                                lock_timeout=args.lock_timeout, report=say)
+        say(f"applied {len(written['files'])} files over vLLM {written['vllm_version']} in {site}")
+    elif args.command == "revert":
+        for line in overlay.revert(site, manifest, receipt, lock_timeout=args.lock_timeout, report=say):
+            say(line)
     elif args.command == "verify":
-        site = Path(args.site_packages) if args.site_packages else purelib_of(args.python)
-        for line in overlay.verify(site, manifest, Path(args.receipt) if args.receipt else None, args.python):
+        site = site or purelib_of(args.python)
+        for line in overlay.verify(site, manifest, receipt, args.python, args.recipe, lock_timeout=args.lock_timeout):
             say(line)
     elif args.command == "diff":
-        sys.stdout.write(overlay.diff(args.recipe, manifest, Path(args.overlay_dir)))
+        sys.stdout.write(overlay.diff(args.recipe, manifest, overlay_dir))
     elif args.command == "record":
-        if not args.paths and not args.refresh:
-            raise overlay.OverlayError(overlay.BAD_INPUT, "record: give PATH... or --refresh")
-        if args.remove and (args.refresh or args.why):
-            raise overlay.OverlayError(overlay.BAD_INPUT, "record: --remove takes only PATH...")
-        result = overlay.record(args.paths, args.why, args.refresh, args.remove, args.recipe, manifest, Path(args.overlay_dir))
-        say(f"{args.manifest}: {len(result.files)} entries")
-        if Path(args.manifest).resolve() == overlay.MANIFEST_PATH.resolve():
-            # The image's receipt label is derived from the manifest: keep it in step.
-            recipe = load_recipe(args.recipe)
-            (REPO_ROOT / bake.BAKE_JSON).write_text(bake.render_bake_json(recipe))
-            say(f"{bake.BAKE_JSON}: RECEIPT_SHA256 {bake.bake_variables(recipe)['RECEIPT_SHA256']}")
+        record(args, manifest, overlay_dir)
     return overlay.OK
+
+
+def record(args, manifest: Path, overlay_dir: Path) -> None:
+    if not args.paths and not args.refresh:
+        raise overlay.OverlayError(overlay.BAD_INPUT, "record: give PATH... or --refresh")
+    if args.remove and (args.refresh or args.why):
+        raise overlay.OverlayError(overlay.BAD_INPUT, "record: --remove takes only PATH...")
+    result = overlay.record(args.paths, args.why, args.refresh, args.remove, args.recipe, manifest, overlay_dir)
+    say(f"{args.manifest}: {len(result.files)} entries")
+    if manifest.resolve() == overlay.MANIFEST_PATH.resolve():
+        # The image's receipt label is derived from the manifest: keep it in step.
+        recipe = load_recipe(args.recipe)
+        (REPO_ROOT / bake.BAKE_JSON).write_text(bake.render_bake_json(recipe))
+        say(f"{bake.BAKE_JSON}: RECEIPT_SHA256 {bake.bake_variables(recipe)['RECEIPT_SHA256']}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -93,14 +136,22 @@ def parser() -> argparse.ArgumentParser:
     commands = main.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check", help="manifest <-> overlay files <-> pinned wheels")
     check.add_argument("--recipe", default=DEFAULT_RECIPE)
-    apply = commands.add_parser("apply", help="overlay a site-packages, all or nothing")
+    locked = argparse.ArgumentParser(add_help=False)
+    locked.add_argument("--lock-timeout", type=float, default=overlay.LOCK_TIMEOUT, metavar="SECONDS",
+                        help="how long to wait for another apply/revert on the same DIR (default: %(default)g)")
+    apply = commands.add_parser("apply", parents=[locked], help="overlay a site-packages, all or nothing")
     apply.add_argument("--site-packages", required=True)
     apply.add_argument("--recipe", default=DEFAULT_RECIPE)
     apply.add_argument("--receipt", help="default: SITE_PACKAGES/vllm_overlay_receipt.json")
-    verify = commands.add_parser("verify", help="re-hash and import-check an overlaid site-packages")
+    revert = commands.add_parser("revert", parents=[locked], help="put upstream vLLM back, all or nothing")
+    revert.add_argument("--site-packages", required=True)
+    revert.add_argument("--receipt", help="default: where apply wrote it")
+    verify = commands.add_parser("verify", parents=[locked], help="re-hash and import-check an overlaid site-packages")
     verify.add_argument("--site-packages", help="default: the purelib of --python")
     verify.add_argument("--python", default=sys.executable, help="interpreter to import with (default: this one)")
     verify.add_argument("--receipt", help="default: SITE_PACKAGES/vllm_overlay_receipt.json")
+    verify.add_argument("--recipe", default=os.environ.get("DSA_IMAGE_RECIPE") or DEFAULT_RECIPE,
+                        help=f"the recipe the receipt must name (default: $DSA_IMAGE_RECIPE if set, else {DEFAULT_RECIPE})")
     diff = commands.add_parser("diff", help="overlay vs upstream, unified diff")
     diff.add_argument("--recipe", default=DEFAULT_RECIPE)
     record = commands.add_parser("record", help="add, refresh or remove manifest entries")
@@ -109,6 +160,7 @@ def parser() -> argparse.ArgumentParser:
     record.add_argument("--refresh", action="store_true", help="recompute the hashes of every entry")
     record.add_argument("--remove", action="store_true", help="drop the entries for PATH...")
     record.add_argument("--recipe", default=DEFAULT_RECIPE)
+    rebase.add_rebase_parser(commands)
     return main
 
 
@@ -119,6 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     except overlay.OverlayError as exc:
         say(f"error: {exc}")
         return exc.code
+    except overlay.Interrupted as exc:
+        say(f"error: {exc}")
+        return die_by(exc.signum)
+    except KeyboardInterrupt:
+        say("error: interrupted by SIGINT outside a transaction: no file is half changed")
+        return die_by(signal.SIGINT)
+
+
+def die_by(signum: int) -> int:
+    """Exit by the signal that stopped us (after the rollback), as an uncaught one would: the
+    caller (a shell, make, docker build) then sees it was interrupted, not that it failed."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return 128 + signum
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -15,65 +14,10 @@ from pathlib import Path
 import pytest
 
 from dsa_image import overlay, wheels
-from dsa_image.manifest import Entry, Manifest, ManifestError, manifest_bytes, parse_manifest, record_entry
-from dsa_image.recipe import load_recipe
+from dsa_image.manifest import Entry, ManifestError, manifest_bytes, parse_manifest, record_entry
 from dsa_image.wheels import sha256_bytes
 
-REPO = Path(__file__).resolve().parent.parent
-RECIPE = load_recipe()
-VERSION = RECIPE.vllm_version
-
-UPSTREAM = {
-    "vllm/__init__.py": b"",
-    "vllm/envs.py": b"FLAG = 'upstream'\n",
-    "vllm/a/__init__.py": b"",
-    "vllm/a/mod.py": b"VALUE = 'upstream'\n",
-}
-OVERLAY = {
-    "vllm/envs.py": b"FLAG = 'overlay'\n",
-    "vllm/a/mod.py": b"VALUE = 'overlay'\n",
-    "vllm/a/new.py": b"NEW = True\n",
-}
-
-
-def write_tree(root: Path, files: dict[str, bytes]) -> None:
-    for rel, data in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-
-
-def make_site(root: Path, version: str = VERSION) -> Path:
-    write_tree(root, UPSTREAM)
-    write_tree(root, {f"vllm-{version}.dist-info/METADATA":
-                      f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n".encode()})
-    return root
-
-
-def snapshot(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-class Tree:
-    def __init__(self, base: Path):
-        self.site = make_site(base / "site")
-        self.overlay_dir = base / "overlay"
-        write_tree(self.overlay_dir, OVERLAY)
-        self.manifest_path = self.overlay_dir / "manifest.json"
-        self.record()
-
-    def record(self) -> None:
-        """(Re)write the manifest with the real recorder, against the synthetic upstream files."""
-        wheel = RECIPE.wheel("linux/amd64")
-        entries = tuple(record_entry(path, f"test: {path}", self.overlay_dir, UPSTREAM.get, None) for path in sorted(OVERLAY))
-        self.manifest = Manifest(VERSION, wheel.filename, wheel.sha256, entries)
-        self.manifest_path.write_bytes(manifest_bytes(self.manifest))
-
-    def apply(self, **kwargs) -> dict:
-        return overlay.apply(self.site, "glm5-dsa", self.manifest_path, self.overlay_dir, **kwargs)
-
-    def verify(self, **kwargs) -> list[str]:
-        return overlay.verify(self.site, self.manifest_path, **kwargs)
+from overlay_helpers import OVERLAY, REPO, UPSTREAM, VERSION, Tree, expect_error, run_cli, snapshot, write_tree
 
 
 @pytest.fixture
@@ -86,13 +30,6 @@ def on_path(monkeypatch, tree):
     """The fresh interpreter of verify finds the synthetic site through PYTHONPATH."""
     monkeypatch.setenv("PYTHONPATH", str(tree.site))
     return tree
-
-
-def expect_error(code: int, fn, *args, **kwargs) -> str:
-    with pytest.raises(overlay.OverlayError) as caught:
-        fn(*args, **kwargs)
-    assert caught.value.code == code, str(caught.value)
-    return str(caught.value)
 
 
 # --- apply -----------------------------------------------------------------------------------
@@ -231,19 +168,21 @@ def test_copy_failing_midway_restores_every_file(tree, monkeypatch):
     pyc.parent.mkdir()
     pyc.write_bytes(b"pre-existing bytecode")
     before = snapshot(tree.site)
-    real_write = overlay._write_atomic
+    from dsa_image import overlay_txn
+
+    real_write = overlay_txn.write_new
     calls = []
 
-    def fail_on_second(path, data, mode=0o644):
+    def fail_on_second(path, data, mode=0o644, owner=None):
         calls.append(path)
         if len(calls) == 2:
             raise OSError(errno.EIO, "simulated I/O error", str(path))
-        real_write(path, data, mode)
+        real_write(path, data, mode, owner)
 
-    monkeypatch.setattr(overlay, "_write_atomic", fail_on_second)
+    monkeypatch.setattr(overlay_txn, "write_new", fail_on_second)
     message = expect_error(overlay.CANNOT_WRITE, tree.apply)
     assert "every file was restored" in message
-    assert len(calls) > 2  # the rollback wrote the first file back
+    assert len(calls) == 2
     assert snapshot(tree.site) == before
 
 
@@ -306,14 +245,16 @@ def test_the_receipt_is_predicted_from_the_manifest(tree):
 
 def test_same_path_same_bytes(tmp_path):
     """Applied twice at the same path (as in a Docker build), every byte is the same, bytecode
-    included: checked-hash pycs carry no mtime (the source path is in them, hence same path)."""
+    and the originals' index included: checked-hash pycs carry no mtime (the source path is in
+    them, hence same path), the index no pid."""
     first = Tree(tmp_path / "build")
     first.apply()
     one = snapshot(first.site)
     shutil.rmtree(tmp_path / "build")
     second = Tree(tmp_path / "build")
     os.utime(second.overlay_dir / "vllm/envs.py", (1, 1))  # a different mtime must not matter
-    second.apply()
+    done = run_cli(*second.common(), "apply", "--site-packages", str(second.site))  # another process
+    assert done.returncode == 0, done.stderr
     assert snapshot(second.site) == one
 
 
@@ -340,7 +281,9 @@ def test_verify_detects_file_changed_after_apply(on_path):
     lambda r: {**r, "vllm_version": "0.25.0"},
     lambda r: {**r, "files": r["files"][1:]},
     lambda r: {**r, "extra": True},
-], ids=["installed-hash", "manifest-hash", "version", "dropped-file", "extra-key"])
+    lambda r: {**r, "recipe": "another-recipe"},
+    lambda r: {**r, "recipe": "../recipes/glm5-dsa"},
+], ids=["installed-hash", "manifest-hash", "version", "dropped-file", "extra-key", "recipe", "recipe-path"])
 def test_verify_detects_tampered_receipt(on_path, tamper):
     receipt_path = on_path.site / overlay.RECEIPT_NAME
     receipt_path.write_text(json.dumps(tamper(on_path.apply())))
@@ -415,11 +358,6 @@ def test_unrecorded_overlay_file_is_reported(tree):
 # --- the CLI -------------------------------------------------------------------------------
 
 
-def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts/overlay.py"), *args], capture_output=True,
-                          text=True, env=env, cwd="/")
-
-
 def test_cli_help_documents_exit_codes():
     done = run_cli("--help")
     assert done.returncode == 0
@@ -439,3 +377,95 @@ def test_cli_apply_and_verify(tree):
     assert done.returncode == 0, done.stderr
     assert run_cli(*common, "apply", "--site-packages", str(tree.site), "--recipe", "nope").returncode == overlay.BAD_INPUT
     assert run_cli("apply").returncode == 2  # usage: --site-packages is required
+
+
+# --- the receipt path may never be a managed file ------------------------------------------
+
+
+@pytest.mark.parametrize("rel", ["vllm/envs.py", "vllm/a/new.py", "vllm/a/__init__.py", "vllm/receipt.json"])
+def test_receipt_may_not_go_inside_the_managed_package(tree, rel):
+    """`--receipt DIR/vllm/envs.py` exited 0 and left envs.py holding JSON."""
+    before = snapshot(tree.site)
+    done = run_cli(*tree.common(), "apply", "--site-packages", str(tree.site), "--receipt", str(tree.site / rel))
+    assert done.returncode == overlay.BAD_INPUT, done.stderr
+    assert "may not go inside" in done.stderr and done.stderr.count("\n") == 1
+    assert snapshot(tree.site) == before
+
+
+def test_receipt_never_replaces_a_file_that_is_not_a_receipt(tree, tmp_path):
+    precious = tmp_path / "notes.txt"
+    precious.write_text("not a receipt\n")
+    before = snapshot(tree.site)
+    message = expect_error(overlay.BAD_INPUT, tree.apply, receipt_path=precious)
+    assert "not an overlay receipt" in message
+    assert precious.read_text() == "not a receipt\n" and snapshot(tree.site) == before
+
+
+def test_verify_checks_the_recipe_it_is_asked_for(on_path):
+    on_path.apply()
+    assert "unknown recipe 'nope'" in expect_error(overlay.BAD_INPUT, on_path.verify, recipe_id="nope")
+    on_path.verify(recipe_id="glm5-dsa")
+
+
+# --- bad input: exit 2 and one line, never a traceback ------------------------------------
+
+
+def deep_json(depth: int = 100_000) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("case", ["python-missing", "python-missing-no-site", "site-missing", "deep-manifest",
+                                  "deep-manifest-verify", "deep-receipt", "recipe-outside", "recipe-absolute"])
+def test_cli_bad_input_is_exit_2_and_one_line(tree, case):
+    site = str(tree.site)
+    if case.startswith("deep-manifest"):
+        tree.manifest_path.write_bytes(deep_json())
+    if case == "deep-receipt":
+        tree.apply()
+        (tree.site / overlay.RECEIPT_NAME).write_bytes(deep_json())
+    args = {
+        "python-missing": ["verify", "--site-packages", site, "--python", "/nonexistent/python"],
+        "python-missing-no-site": ["verify", "--python", "/nonexistent/python"],
+        "site-missing": ["verify", "--site-packages", str(tree.site / "absent")],
+        "deep-manifest": ["apply", "--site-packages", site],
+        "deep-manifest-verify": ["verify", "--site-packages", site],
+        "deep-receipt": ["verify", "--site-packages", site],
+        "recipe-outside": ["apply", "--site-packages", site, "--recipe", "../recipes/glm5-dsa"],
+        "recipe-absolute": ["apply", "--site-packages", site, "--recipe", str(REPO / "recipes" / "glm5-dsa")],
+    }[case]
+    before = snapshot(tree.site)
+    done = run_cli(*tree.common(), *args)
+    assert done.returncode == overlay.BAD_INPUT, done.stderr
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert snapshot(tree.site) == before
+
+
+@pytest.mark.parametrize("where", ["manifest", "site", "receipt", "overlay-dir"])
+def test_a_nul_byte_in_a_path_is_bad_input(tree, where):
+    """argv cannot carry a NUL, but paths reach the library from other code too."""
+    bad = {"manifest": tree.manifest_path, "site": tree.site, "receipt": tree.site / "r.json",
+           "overlay-dir": tree.overlay_dir}[where]
+    nul = Path(f"{bad}\0x")
+    kwargs = {"manifest": {"manifest_path": nul}, "site": {}, "receipt": {"receipt_path": nul},
+              "overlay-dir": {"overlay_dir": nul}}[where]
+    site = nul if where == "site" else tree.site
+    args = {"manifest_path": tree.manifest_path, "overlay_dir": tree.overlay_dir, **kwargs}
+    message = expect_error(overlay.BAD_INPUT, overlay.apply, site, "glm5-dsa", **args)
+    assert "\n" not in message
+    if where != "overlay-dir":
+        verify_args = {k: v for k, v in args.items() if k != "overlay_dir"}
+        assert "\n" not in expect_error(overlay.BAD_INPUT, overlay.verify_hashes, site, **verify_args)
+
+
+def test_drift_and_verify_messages_show_full_sha256(on_path):
+    tree = on_path
+    edited = b"VALUE = 'upstream!'\n"
+    (tree.site / "vllm/a/mod.py").write_bytes(edited)
+    message = expect_error(overlay.DRIFT, tree.apply)
+    assert sha256_bytes(edited) in message and sha256_bytes(UPSTREAM["vllm/a/mod.py"]) in message
+    (tree.site / "vllm/a/mod.py").write_bytes(UPSTREAM["vllm/a/mod.py"])
+    tree.apply()
+    (tree.site / "vllm/envs.py").write_bytes(edited)
+    message = expect_error(overlay.MISMATCH, tree.verify)
+    assert sha256_bytes(edited) in message and sha256_bytes(OVERLAY["vllm/envs.py"]) in message

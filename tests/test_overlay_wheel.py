@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import overlay
+from dsa_image import overlay, wheels
 from dsa_image.manifest import load_manifest, manifest_bytes
 from dsa_image.recipe import load_recipe
 
@@ -87,3 +87,16 @@ def test_diff_shows_each_overlay_file(wheel):
     for entry in manifest.files:
         assert f"+++ b/{entry.path} (overlay)" in text
         assert (f"--- a/{entry.path} (vLLM {RECIPE.vllm_version} wheel)" in text) != entry.new
+
+
+def test_revert_on_the_real_wheel_restores_every_upstream_byte(wheel, tmp_path):
+    site = site_from_wheel(wheel, tmp_path / "site")
+    before = snapshot(site)
+    overlay.apply(site)
+    overlay.revert(site)
+    assert snapshot(site) == before
+    manifest, _ = load_manifest(overlay.MANIFEST_PATH)
+    for entry in (e for e in manifest.files if not e.new):
+        assert (site / entry.path).read_bytes() == wheels.read_member(wheel, entry.path)
+    overlay.apply(site)
+    overlay.verify_hashes(site)

@@ -1,0 +1,279 @@
+"""apply and revert: plan every change and check it all before touching anything, then make
+the changes as one transaction (overlay_txn: lock, journal, stash, rollback on any failure or
+signal, recovery after a kill). `dsa_image.overlay` re-exports both; import from there."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from . import overlay_txn as txn
+from .atomic import read_regular
+from .manifest import Entry, Manifest, ManifestError, load_manifest
+from .overlay_core import (BAD_INPUT, CANNOT_WRITE, DRIFT, LOCK_TIMEOUT, MANIFEST_PATH, ORIGINALS_DIR_NAME,
+                           OVERLAY_DIR, RECEIPT_NAME, TOOL, TXN_DIR_NAME, OverlayError, cache_path,
+                           expected_receipt, file_sha256, installed_vllm_version, load_inputs, looks_like_receipt,
+                           read_overlay_files, receipt_bytes, reinstall_advice, require_dir, stale_bytecode)
+from .recipe import DEFAULT_RECIPE, RECIPES_DIR
+from .wheels import sha256_file
+
+Report = Callable[[str], None] | None
+
+
+def _absolute(path: Path) -> Path:
+    if "\0" in str(path):
+        raise OverlayError(BAD_INPUT, f"{str(path)!r}: a path cannot contain a NUL byte")
+    return Path(os.path.abspath(path))
+
+
+def _recover(site: Path, version: str, report: Report) -> None:
+    note = txn.recover(site, version)
+    if note and report:
+        report(note)
+
+
+# --- apply ------------------------------------------------------------------------------------
+
+
+def apply(site: Path, recipe_id: str = DEFAULT_RECIPE, manifest_path: Path = MANIFEST_PATH,
+          overlay_dir: Path = OVERLAY_DIR, receipt_path: Path | None = None,
+          recipes_dir: Path = RECIPES_DIR, lock_timeout: float = LOCK_TIMEOUT, report: Report = None) -> dict:
+    """Overlay `site` (a site-packages dir) and write the receipt; all or nothing."""
+    recipe, manifest, raw = load_inputs(recipe_id, manifest_path, recipes_dir)
+    contents = read_overlay_files(manifest, overlay_dir)
+    site = _absolute(site)
+    require_dir(site)
+    receipt_path = check_receipt_target(site, manifest, _absolute(receipt_path or site / RECEIPT_NAME))
+    with txn.site_lock(site, exclusive=True, timeout=lock_timeout):
+        _recover(site, manifest.vllm_version, report)
+        problems = drift_problems(site, manifest, installed_vllm_version(site))
+        if problems:
+            raise OverlayError(DRIFT, "\n".join(problems))
+        check_writable(site, manifest, receipt_path)
+        receipt = expected_receipt(recipe.id, manifest, raw)
+        paths, dirs = _apply_paths(site, manifest, receipt_path)
+        txn.run(site, "apply", paths, dirs, receipt_path,
+                lambda t: _install(t, site, manifest, contents, receipt_path, receipt_bytes(receipt)))
+    return receipt
+
+
+def check_receipt_target(site: Path, manifest: Manifest, receipt_path: Path, action: str = "apply replaces",
+                         ours: bool | None = None) -> Path:
+    """The receipt goes to a path outside the packages the overlay manages, and replaces at
+    most an earlier receipt: never a module, a FIFO, or any other file a typo could name. A
+    regular file at `ours` paths (default: SITE/vllm_overlay_receipt.json) is taken as an
+    earlier receipt whatever it holds (a truncated or tampered one is still ours)."""
+    ours = receipt_path == site / RECEIPT_NAME if ours is None else ours
+    resolved = Path(os.path.realpath(receipt_path))
+    real_site = Path(os.path.realpath(site))
+    guarded = sorted({real_site / e.path.split("/")[0] for e in manifest.files}
+                     | {real_site / TXN_DIR_NAME, real_site / ORIGINALS_DIR_NAME})
+    for directory in guarded:
+        if resolved.is_relative_to(directory):
+            raise OverlayError(BAD_INPUT, f"{receipt_path}: the receipt may not go inside {directory}, which the "
+                                          "overlay manages; nothing was changed. Leave --receipt out or name a "
+                                          "path outside it")
+    try:
+        mode = os.lstat(receipt_path).st_mode
+    except FileNotFoundError:
+        return receipt_path
+    if not stat.S_ISREG(mode) or not (ours or looks_like_receipt(read_regular(receipt_path))):
+        what = "is not a regular file" if not stat.S_ISREG(mode) else "exists and is not an overlay receipt"
+        raise OverlayError(BAD_INPUT, f"{receipt_path}: {what}; {action} only an overlay receipt, so nothing "
+                                      "was changed. Move it away or name another --receipt")
+    return receipt_path
+
+
+def drift_problems(site: Path, manifest: Manifest, installed_version: str) -> list[str]:
+    """One line per reason the installed files are not the ones the overlay was made for,
+    each saying what to do; empty when apply may go ahead."""
+    problems = [p for e in manifest.files if (p := _entry_problem(site, manifest, e, installed_version))]
+    wanted = manifest.vllm_version
+    if not problems and installed_version != wanted:
+        problems.append(f"the overlay was made for vLLM {wanted}, but the installed vLLM is {installed_version} "
+                        f"(every replaced file still matches, the rest of vLLM may not). Nothing was changed. "
+                        f"Install vLLM {wanted} (`python -m pip install vllm=={wanted}`) or re-base the overlay "
+                        f"on vLLM {installed_version}.")
+    return problems
+
+
+def _entry_problem(site: Path, manifest: Manifest, entry: Entry, installed: str) -> str | None:
+    target = site / entry.path
+    made_for = f"the overlay was made for vLLM {manifest.vllm_version}"
+    reinstall = f"Nothing was changed. {reinstall_advice(manifest.vllm_version, site)}, then re-run apply."
+    found = file_sha256(target)
+    if entry.new:
+        if found == entry.overlay_sha256:
+            return None  # ours, left by an earlier apply (pip --force-reinstall keeps it): same bytes
+        if os.path.lexists(target):
+            return (f"{entry.path}: {made_for} where this file is new, but {target} exists (sha256 {found}, the "
+                    f"overlay's is {entry.overlay_sha256}) in the installed vLLM {installed}; apply never overwrites "
+                    f"a file it did not write. Nothing was changed. If it is not yours, move it away "
+                    f"(`mv {target} {target}.moved`) and re-run apply.")
+        if not target.parent.is_dir():
+            return f"{entry.path}: {made_for}, but its directory is missing in the installed vLLM {installed}. {reinstall}"
+        return None
+    if found == entry.upstream_sha256:
+        return None
+    if found == entry.overlay_sha256:
+        return (f"{entry.path}: already carries the overlay (sha256 {found}). Nothing was changed. apply runs once: "
+                f"`{TOOL} verify --site-packages {site}` checks an applied overlay, `{TOOL} revert --site-packages "
+                f"{site}` returns to upstream vLLM {manifest.vllm_version} (then apply again).")
+    if found is None:
+        return (f"{entry.path}: {made_for} (upstream sha256 {entry.upstream_sha256}), but the installed vLLM "
+                f"{installed} has no such file. {reinstall}")
+    return (f"{entry.path}: {made_for} (upstream sha256 {entry.upstream_sha256}), but the installed file has sha256 "
+            f"{found} and the installed vLLM is {installed}. {reinstall}")
+
+
+def check_writable(site: Path, manifest: Manifest, receipt_path: Path) -> None:
+    """Create and remove a temp file in every directory apply writes to: catches read-only
+    mounts even for root (os.access does not), before anything changes."""
+    directories = {site} | {(site / e.path).parent for e in manifest.files}
+    directories |= {d / "__pycache__" for d in directories if (d / "__pycache__").is_dir()}
+    directories.add(receipt_path.parent)
+    for directory in sorted(directories):
+        try:
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".overlay-probe.")
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as exc:
+            raise OverlayError(CANNOT_WRITE, f"{directory}: cannot write ({exc.strerror or exc}). Nothing was changed.") from exc
+
+
+def _apply_paths(site: Path, manifest: Manifest, receipt_path: Path) -> tuple[list[Path], list[Path]]:
+    """Every path apply may change (sources, their bytecode, the receipt), and the
+    __pycache__ directories it creates: the journal lists them before the first change."""
+    paths = [site / e.path for e in manifest.files]
+    dirs = []
+    for source in (site / e.path for e in manifest.files if e.path.endswith(".py")):
+        cache = source.parent / "__pycache__"
+        if not os.path.lexists(cache) and cache not in dirs:
+            dirs.append(cache)
+        paths += [*stale_bytecode(source), cache_path(source)]
+    return list(dict.fromkeys([*paths, receipt_path])), dirs
+
+
+def _install(t: txn.Transaction, site: Path, manifest: Manifest, contents: dict[str, bytes],
+             receipt_path: Path, receipt: bytes) -> None:
+    t.make_dirs()
+    for entry in manifest.files:
+        t.put(site / entry.path, contents[entry.path])
+    for source in (site / e.path for e in manifest.files if e.path.endswith(".py")):
+        cfile = cache_path(source)
+        for stale in stale_bytecode(source):
+            if stale != cfile:
+                t.remove(stale)
+        t.put(cfile, compile_from=source)
+    for entry in manifest.files:
+        installed = sha256_file(site / entry.path)
+        if installed != entry.overlay_sha256:
+            raise OverlayError(CANNOT_WRITE, f"{entry.path}: installed copy has sha256 {installed}, "
+                                             f"expected {entry.overlay_sha256}")
+    t.put(receipt_path, receipt)
+
+
+# --- revert -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Op:
+    path: Path
+    source: Path | None  # hard-link this original into place; None: delete the path
+
+
+def revert(site: Path, manifest_path: Path = MANIFEST_PATH, receipt_path: Path | None = None,
+           lock_timeout: float = LOCK_TIMEOUT, report: Report = None) -> list[str]:
+    """Put upstream vLLM back: every replaced file (and its bytecode) from the originals apply
+    kept, the overlay's new files, their bytecode, the receipt and the originals removed. All
+    or nothing. Files pip already reinstalled are left as they are (only our leftovers go)."""
+    try:
+        manifest, _ = load_manifest(manifest_path)
+    except ManifestError as exc:
+        raise OverlayError(BAD_INPUT, str(exc)) from exc
+    site = _absolute(site)
+    require_dir(site)
+    with txn.site_lock(site, exclusive=True, timeout=lock_timeout):
+        _recover(site, manifest.vllm_version, report)
+        originals, recorded_receipt, made_dirs = _originals(site)
+        receipt = _absolute(receipt_path) if receipt_path else recorded_receipt or site / RECEIPT_NAME
+        receipt_ops = _revert_receipt(site, manifest, receipt, ours=receipt_path is None)
+        problems, notes = [], []
+        ops = [op for e in manifest.files for op in _revert_entry(site, manifest, e, originals, problems, notes)]
+        ops += receipt_ops
+        if problems:
+            raise OverlayError(DRIFT, "\n".join(problems))
+        if not ops and not os.path.lexists(site / ORIGINALS_DIR_NAME):
+            return notes + [f"{site}: nothing to revert (no overlay file, receipt or originals in it)"]
+        txn.run(site, "revert", [op.path for op in ops], [], receipt, lambda t: _execute(t, ops))
+        for directory in reversed(made_dirs):
+            with contextlib.suppress(OSError):  # only empty ones go: the __pycache__ apply made
+                os.rmdir(directory)
+    return notes + [f"{'restored' if op.source else 'removed'} {op.path}" for op in ops]
+
+
+def _originals(site: Path) -> tuple[dict[Path, Path], Path | None, list[Path]]:
+    """What the last apply kept: path -> its original, where it wrote the receipt, and the
+    directories it created."""
+    directory = site / ORIGINALS_DIR_NAME
+    try:
+        doc = json.loads(read_regular(directory / txn.INDEX))
+        kept = txn.Transaction.from_document(site, doc, directory)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return {}, None, []  # none or unreadable: revert asks for a reinstall wherever it needs one
+    return {s.path: s.orig for s in kept.slots if s.orig is not None}, kept.receipt, kept.dirs
+
+
+def _revert_entry(site: Path, manifest: Manifest, entry: Entry, originals: dict[Path, Path],
+                  problems: list[str], notes: list[str]) -> list[_Op]:
+    target = site / entry.path
+    found = file_sha256(target)
+    if entry.new:
+        if found != entry.overlay_sha256 and os.path.lexists(target):
+            notes.append(f"{target}: left alone, it is not the file the overlay added (sha256 {found})")
+            return []
+        ours = [_Op(target, None)] if os.path.lexists(target) else []
+        return ours + _bytecode_back(target, {})
+    if found == entry.upstream_sha256:
+        return []  # already upstream (pip reinstalled it): its bytecode is pip's too
+    original = originals.get(target)
+    if found == entry.overlay_sha256 and original is not None and file_sha256(original) == entry.upstream_sha256:
+        return [_Op(target, original)] + _bytecode_back(target, originals)
+    if found == entry.overlay_sha256:
+        what = f"carries the overlay, but {site / ORIGINALS_DIR_NAME} keeps no intact original of it"
+    else:
+        what = (f"has sha256 {found}: neither upstream ({entry.upstream_sha256}) nor the overlay's "
+                f"({entry.overlay_sha256})" if found else "is missing")
+    problems.append(f"{target}: {what}. Nothing was changed. {reinstall_advice(manifest.vllm_version, site)}, "
+                    f"then re-run revert: it removes the overlay's remaining files.")
+    return []
+
+
+def _bytecode_back(source: Path, originals: dict[Path, Path]) -> list[_Op]:
+    """The bytecode apply moved aside comes back (valid again: it is the original source
+    inode that returns); bytecode written since goes."""
+    cache = source.parent / "__pycache__"
+    kept = {p: o for p, o in originals.items() if p.parent == cache and fnmatch.fnmatchcase(p.name, f"{source.stem}.*.pyc")}
+    return [_Op(p, o) for p, o in sorted(kept.items())] + [_Op(p, None) for p in stale_bytecode(source) if p not in kept]
+
+
+def _revert_receipt(site: Path, manifest: Manifest, receipt: Path, ours: bool) -> list[_Op]:
+    if not os.path.lexists(receipt):
+        return []
+    check_receipt_target(site, manifest, receipt, "revert deletes", ours)
+    return [_Op(receipt, None)]
+
+
+def _execute(t: txn.Transaction, ops: list[_Op]) -> None:
+    for op in ops:
+        if op.source is None:
+            t.remove(op.path)
+        else:
+            t.put(op.path, link=op.source)
