@@ -17,7 +17,8 @@
 #   extras      the target's extra lock (sm120: b12x); toolchain and SASS proven for its GPUs
 #   tiny-model  the built-in dummy-weight GLM-5 (config + tokenizer)
 #   overlay     our files over vLLM (scripts/overlay.py apply, fail closed) + the receipt
-#   test        overlay verify + CPU tests against the installed vLLM (bake target `test`)
+#   test        overlay verify + CPU tests against the installed vLLM
+#   test-results  their results alone (bake target `test` exports them to build/test-results)
 #   runtime     non-root, labels, healthcheck, entrypoint (the default target)
 #
 # Behind a TLS-intercepting proxy hand pip a CA bundle as a BuildKit secret (bake:
@@ -134,13 +135,20 @@ FROM extras AS overlay
 ARG PYTHON_VERSION
 ARG TARGET
 ARG RECIPE
+# The recipe and target are set here, not in runtime: verify (test stage and runtime alike)
+# checks that the receipt names this recipe.
 ENV DSA_IMAGE_TOOL=/opt/dsa-image/tool \
-    DSA_IMAGE_SITE_PACKAGES=/opt/venv/lib/python${PYTHON_VERSION}/site-packages
+    DSA_IMAGE_SITE_PACKAGES=/opt/venv/lib/python${PYTHON_VERSION}/site-packages \
+    DSA_IMAGE_RECIPE=${RECIPE} \
+    DSA_IMAGE_TARGET=${TARGET}
 # Only what apply/verify and the entrypoint need: a change anywhere else in the repository
 # leaves this stage cached.
 COPY dsa_image/ ${DSA_IMAGE_TOOL}/dsa_image/
 COPY scripts/overlay.py scripts/recipe.py ${DSA_IMAGE_TOOL}/scripts/
 COPY recipes/${RECIPE}.toml ${DSA_IMAGE_TOOL}/recipes/
+# The serving recipes and their model facts: `docker run IMAGE recipe ...` reads them.
+COPY recipes/serve/ ${DSA_IMAGE_TOOL}/recipes/serve/
+COPY recipes/models/ ${DSA_IMAGE_TOOL}/recipes/models/
 COPY overlay/ ${DSA_IMAGE_TOOL}/overlay/
 # RECEIPT_SHA256 is the receipt predicted from overlay/manifest.json (docker-bake.json); the
 # image is labelled with it, so the receipt written here must be exactly that one.
@@ -154,10 +162,9 @@ RUN python -B "${DSA_IMAGE_TOOL}/scripts/overlay.py" apply --site-packages "${DS
 
 # ---------------------------------------------------------------------------------------------
 FROM overlay AS test
-COPY pyproject.toml ${DSA_IMAGE_TOOL}/
-COPY tests/ ${DSA_IMAGE_TOOL}/tests/
 # pytest and friends from the dev lock go to their own directory, appended to sys.path after
 # site-packages (a .pth file), so they can never replace a package vLLM was locked with.
+# Before the tests are copied: a test edit does not reinstall them.
 RUN --mount=type=bind,source=recipes/locks/dev.txt,target=/tmp/dsa-image/dev.lock \
     --mount=type=cache,id=dsa-image-pip,target=/root/.cache/pip,sharing=locked \
     --mount=type=secret,id=pip-ca \
@@ -165,17 +172,32 @@ RUN --mount=type=bind,source=recipes/locks/dev.txt,target=/tmp/dsa-image/dev.loc
     pip install --require-hashes --no-deps --index-url https://pypi.org/simple \
         --target /opt/dsa-image/test-libs -r /tmp/dsa-image/dev.lock; \
     echo /opt/dsa-image/test-libs > "${DSA_IMAGE_SITE_PACKAGES}/zz_dsa_image_test_libs.pth"
+COPY pyproject.toml ${DSA_IMAGE_TOOL}/
+COPY tests/ ${DSA_IMAGE_TOOL}/tests/
 WORKDIR ${DSA_IMAGE_TOOL}
 # verify: re-hash every overlaid file against the receipt and import each overlaid module in
 # a fresh interpreter, from this vLLM. Then the tests that exercise the installed environment:
 # the overlay tool, the overlaid indexer modules (property tests against this vLLM), the GPU
 # validation's comparison, the real nvcc + vLLM extensions (arch_check), pip check, the
-# entrypoint.
-RUN python -B scripts/overlay.py verify --site-packages "${DSA_IMAGE_SITE_PACKAGES}"; \
+# entrypoint and the healthcheck.
+# The results are files of this stage (the `test-results` stage exports them), so a build
+# whose test step came from the cache still hands over what that step proved. A failing test
+# fails this step: no results file exists for a failed run.
+RUN mkdir -p /opt/dsa-image/test-results; \
+    python -B scripts/overlay.py verify --site-packages "${DSA_IMAGE_SITE_PACKAGES}" 2>&1 \
+        | tee /opt/dsa-image/test-results/verify.txt; \
     python -B -m pytest -p no:cacheprovider -m "not docker and not gpu and not wheel" \
-        tests/test_overlay.py tests/test_indexer_overlay.py tests/test_validation.py \
+        --junitxml=/opt/dsa-image/test-results/junit.xml \
+        tests/test_overlay.py tests/test_overlay_bytecode.py tests/test_overlay_interrupt.py \
+        tests/test_overlay_revert.py tests/test_overlay_space.py \
+        tests/test_indexer_overlay.py tests/test_validation.py tests/test_serving_recipes_vllm.py \
         tests/test_image_arch_check.py \
-        tests/test_image_pip_check.py tests/test_image_entrypoint.py
+        tests/test_image_pip_check.py tests/test_image_entrypoint.py tests/test_image_healthcheck.py
+
+# ---------------------------------------------------------------------------------------------
+# Only the in-image test results, for bake target `test` to export (build/test-results/).
+FROM scratch AS test-results
+COPY --from=test /opt/dsa-image/test-results/ /
 
 # ---------------------------------------------------------------------------------------------
 FROM overlay AS runtime
@@ -200,15 +222,15 @@ ENV HOME=/home/vllm \
     TRITON_CACHE_DIR=/home/vllm/.cache/triton \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
-    DSA_IMAGE_RECIPE=${RECIPE} \
-    DSA_IMAGE_TARGET=${TARGET} \
     DSA_IMAGE_PORT=${PORT}
 USER vllm
 WORKDIR /home/vllm
 EXPOSE ${PORT}
-# The tiny model is healthy after ~3 minutes on an H200; real models take longer.
+# The tiny model is healthy after ~3 minutes on an H200; real models take longer. The probe
+# reads the port and host from the running `vllm serve` command line (--port 9000 included),
+# not from DSA_IMAGE_PORT (the recipe's port, which a user's --port overrides).
 HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
-    CMD ["/opt/venv/bin/python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ['DSA_IMAGE_PORT'], timeout=8)"]
+    CMD ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.healthcheck"]
 ENTRYPOINT ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.entrypoint"]
 CMD []
 LABEL org.opencontainers.image.title="dsa-image-${TARGET}" \

@@ -4,12 +4,19 @@
 # <TARGET>_EXTRAS_LOCK, DEFAULT_MODEL, PORT. No pin is written here.
 #
 #   docker buildx bake sm120                      # build and load the sm_120 image
-#   docker buildx bake test                       # overlay verify + CPU tests in the image
+#   docker buildx bake test                       # overlay verify + CPU tests in the image;
+#                                                 # their results in build/test-results/
 #   PUSH=true REGISTRY=ghcr.io/you docker buildx bake   # all targets, every platform, attested
 #
-# Behind a TLS-intercepting proxy: PIP_CA=/etc/ssl/certs/ca-certificates.crt and
-# `--allow fs.read=/etc/ssl/certs` (the bundle is a BuildKit secret, never in a layer).
-# Without a docker0 bridge: BUILD_NETWORK=host and `--allow network.host`.
+# Hosts that need more (docs/image.md, "Hosts without a registry, a bridge or direct TLS";
+# `python3 scripts/preflight.py` prints the exact command for this host):
+# * the build fails with "network bridge not found" (an engine without a docker0 bridge):
+#   BUILD_NETWORK=host and `--allow network.host`;
+# * behind a TLS-intercepting proxy (pip: CERTIFICATE_VERIFY_FAILED):
+#   PIP_CA=/etc/ssl/certs/ca-certificates.crt and `--allow fs.read=/etc/ssl/certs` (the bundle
+#   is a BuildKit secret, never in a layer);
+# * no registry reachable (the base image cannot be pulled): BASE_IMAGE=<a local image>, e.g.
+#   one made by scripts/bootstrap_base_image.sh.
 
 variable "REGISTRY" {
   # e.g. ghcr.io/you; empty = local image names
@@ -23,7 +30,8 @@ variable "TAG" {
   default = VLLM_VERSION
 }
 variable "BUILD_NETWORK" {
-  # "default" (a normal Docker engine) or "host" (engines without a bridge, like CI here)
+  # "default" (a normal Docker engine) or "host" (engines without a bridge, like CI here:
+  # "network bridge not found" means this one; add `--allow network.host`)
   default = "default"
 }
 variable "PIP_CA" {
@@ -122,12 +130,14 @@ target "sm90" {
 }
 
 # The sm120 image's `test` stage: overlay verify and the CPU tests against the installed vLLM.
-# A successful build is the result; nothing is exported (the stage is only a test run).
+# A failing test fails the build; a passing run's results (junit.xml, verify.txt) are exported
+# to build/test-results/ on every build, also when the test step comes from the cache, so the
+# result is always there to read, never inferred from a build log.
 target "test" {
   inherits  = ["sm120"]
-  target    = "test"
+  target    = "test-results"
   platforms = [BAKE_LOCAL_PLATFORM]
   tags      = []
-  output    = ["type=cacheonly"]
+  output    = ["type=local,dest=build/test-results"]
   attest    = []
 }

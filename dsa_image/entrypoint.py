@@ -1,23 +1,41 @@
 """The image's entrypoint: `vllm serve` with the recipe's defaults for the image's target.
 
-    docker run IMAGE                 serve the built-in tiny dummy-weight GLM-5 (no download)
-    docker run IMAGE verify          verify the overlay and the receipt, then exit
-    docker run IMAGE ARGS...         vllm serve ARGS... (e.g. a model id and vLLM flags)
+    docker run IMAGE                     serve the built-in tiny dummy-weight GLM-5 (no download)
+    docker run IMAGE MODEL [FLAGS...]    vllm serve MODEL FLAGS... (same as `serve MODEL ...`)
+    docker run IMAGE serve [ARGS...]     the same, named explicitly; `serve --help`: vLLM's flags
+    docker run IMAGE verify              verify the overlay and the receipt, then exit
+    docker run IMAGE recipe --list       the serving recipes and their memory plans
+    docker run IMAGE --help              modes, the defaults serve adds, the environment
 
-Every serve gets the recipe's serving defaults (served model name, max model len, port, the
-target's KV-cache dtype) unless ARGS give that flag, and the target's environment (e.g.
-VLLM_USE_B12X_SPARSE_INDEXER=1 on sm120) unless the container sets it. The image sets
-DSA_IMAGE_RECIPE and DSA_IMAGE_TARGET; the tool (dsa_image, scripts, recipe) lives in
-DSA_IMAGE_TOOL. Stdlib only.
+A first argument that is not a mode (a model id, a path, a flag other than -h/--help) is
+`serve`'s. Every serve gets the recipe's serving defaults (served model name, max model len,
+port, the target's KV-cache dtype) unless ARGS give that flag, and the target's environment
+(e.g. VLLM_USE_B12X_SPARSE_INDEXER=1 on sm120) unless the container sets it. Before serving,
+the entrypoint checks that an NVIDIA GPU is visible (libcuda.so.1 loads, cuInit succeeds, at
+least one device): without one vLLM only fails later with a long traceback.
+
+Exit codes (of the entrypoint itself; once `vllm serve` or the overlay tool runs, theirs):
+  0  ok (--help)
+  1  the image is broken: an environment variable, the recipe or the receipt is missing or wrong
+  2  usage: arguments a mode does not take
+  3  no usable NVIDIA GPU visible to `serve` (DSA_IMAGE_SKIP_GPU_CHECK=1 skips the check)
+  4  recipe: the layout is refused (does not fit in memory, TP/PP do not divide, cluster-only)
+  5  recipe: it needs another image target than this image's
+
+A new mode is one entry in MODES: a handler taking the mode's arguments and the environment
+and returning a Plan, a synopsis and a one-line summary for --help. Stdlib only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import sys
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .recipe import Recipe, RecipeError, Target, load_recipe
 
@@ -25,18 +43,56 @@ RECEIPT = Path("/opt/dsa-image/receipt.json")
 RECEIPT_SHA256 = Path("/opt/dsa-image/receipt.json.sha256")
 SITE_RECEIPT_NAME = "vllm_overlay_receipt.json"
 
+OK, IMAGE_PROBLEM, USAGE, NO_GPU = 0, 1, 2, 3
+
+# The driver library the NVIDIA container runtime mounts into a container started with GPUs.
+LIBCUDA = "libcuda.so.1"
+SKIP_GPU_CHECK = "DSA_IMAGE_SKIP_GPU_CHECK"
+HELP_FLAGS = ("-h", "--help")
+SERVE_NEEDS_GPU = "vllm serve needs one"
+DEFAULT_MODE = "serve"
+
+# Set by the Dockerfile; listed by --help with what each is for.
+IMAGE_ENV = {
+    "DSA_IMAGE_RECIPE": "the recipe the image was built from",
+    "DSA_IMAGE_TARGET": "the recipe's target (GPU family) of this image",
+    "DSA_IMAGE_TOOL": "where dsa_image, scripts/ and the recipe live in the image",
+    "DSA_IMAGE_SITE_PACKAGES": "the site-packages the overlay was applied to (verify checks it)",
+    "DSA_IMAGE_PORT": "the recipe's port, the one EXPOSEd",
+}
+
 
 class EntrypointError(Exception):
     """The container cannot start as asked; the message says what to do."""
 
+    exit_code = IMAGE_PROBLEM
+
+
+class UsageError(EntrypointError):
+    """Arguments a mode does not take."""
+
+    exit_code = USAGE
+
 
 @dataclass(frozen=True)
 class Plan:
-    """What to run: `argv` replaces this process, with `env` added; `log` says why."""
+    """What to do. With an `argv`, it replaces this process with `env` added, after `log` went
+    to stderr; without one, `output` goes to stdout and the entrypoint exits `exit_code`.
+    `gpu_for`: what needs a GPU ("" = nothing); without one visible, exit NO_GPU saying so."""
 
     argv: list[str]
-    env: dict[str, str]
-    log: str
+    env: dict[str, str] = field(default_factory=dict)
+    log: str = ""
+    gpu_for: str = ""
+    output: str = ""
+    exit_code: int = OK
+
+
+@dataclass(frozen=True)
+class Mode:
+    handler: Callable[[list[str], dict[str, str]], Plan]
+    synopsis: str  # the mode's arguments, for --help
+    summary: str  # one line, for --help
 
 
 def _flag_name(arg: str) -> str:
@@ -66,12 +122,25 @@ def target_env(target: Target, environ: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in target.env.items() if k not in environ}
 
 
+def _asks_for_help(args: list[str]) -> bool:
+    # vLLM's parser also takes --help=<group> (e.g. --help=ModelConfig).
+    return any(a in HELP_FLAGS or a.startswith("--help=") for a in args)
+
+
 def plan_serve(args: list[str], recipe: Recipe, target: Target, environ: dict[str, str]) -> Plan:
+    if _asks_for_help(args):
+        # vLLM's own help, unchanged (our defaults would only clutter it). vLLM builds its
+        # argument parser from config defaults that detect the device, so even --help fails
+        # without a GPU; the docs of the pinned version list the same flags.
+        return Plan(["vllm", "serve", *args], log=f"dsa-image {target.id}: vllm serve {' '.join(args)}",
+                    gpu_for=(f"vLLM {recipe.vllm_version}'s own `serve --help` needs one too (its parser "
+                             f"detects the device); without a GPU read {vllm_serve_docs(recipe.vllm_version)}"))
     defaults = serving_defaults(recipe, target)
     env = target_env(target, environ)
     if args:
         argv = ["vllm", "serve", *with_defaults(args, defaults)]
-        return Plan(argv, env, f"dsa-image {target.id}: vllm serve with the recipe's defaults: {' '.join(argv)}")
+        return Plan(argv, env, f"dsa-image {target.id}: vllm serve with the recipe's defaults: {' '.join(argv)}",
+                    gpu_for=SERVE_NEEDS_GPU)
     model = str(recipe.serving["default_model"])
     load_format = str(recipe.serving["default_load_format"])
     argv = ["vllm", "serve", *with_defaults([model, "--load-format", load_format], defaults)]
@@ -79,7 +148,7 @@ def plan_serve(args: list[str], recipe: Recipe, target: Target, environ: dict[st
            f"with random weights (--load-format {load_format}; nothing is downloaded). To serve a real "
            f"model: docker run --gpus all -p 8000:8000 IMAGE <model> [vllm serve flags]. "
            f"Running: {' '.join(argv)}")
-    return Plan(argv, env, log)
+    return Plan(argv, env, log, gpu_for=SERVE_NEEDS_GPU)
 
 
 def check_receipt(site_packages: Path, receipt: Path = RECEIPT, recorded: Path = RECEIPT_SHA256) -> str:
@@ -111,30 +180,216 @@ def _required_env(environ: dict[str, str], name: str) -> str:
     return value
 
 
-def plan(args: list[str], environ: dict[str, str]) -> Plan:
+def _recipe_and_target(environ: dict[str, str]) -> tuple[Recipe, Target]:
     tool = Path(_required_env(environ, "DSA_IMAGE_TOOL"))
-    if args == ["verify"]:
-        return plan_verify(tool, Path(_required_env(environ, "DSA_IMAGE_SITE_PACKAGES")))
     try:
         recipe = load_recipe(_required_env(environ, "DSA_IMAGE_RECIPE"), tool / "recipes")
-        target = recipe.target(_required_env(environ, "DSA_IMAGE_TARGET"))
+        return recipe, recipe.target(_required_env(environ, "DSA_IMAGE_TARGET"))
     except RecipeError as exc:
         raise EntrypointError(str(exc)) from exc
+
+
+def _no_arguments(mode: str, args: list[str]) -> None:
+    if args:
+        raise UsageError(f"`{mode}` takes no arguments, got: {' '.join(args)} (a model or directory named "
+                         f"{mode!r} is served with: docker run IMAGE serve {mode} ...)")
+
+
+def _serve(args: list[str], environ: dict[str, str]) -> Plan:
+    recipe, target = _recipe_and_target(environ)
     return plan_serve(args, recipe, target, environ)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+def _verify(args: list[str], environ: dict[str, str]) -> Plan:
+    _no_arguments("verify", args)
+    tool = Path(_required_env(environ, "DSA_IMAGE_TOOL"))
+    return plan_verify(tool, Path(_required_env(environ, "DSA_IMAGE_SITE_PACKAGES")))
+
+
+def _recipe(args: list[str], environ: dict[str, str]) -> Plan:
+    # Imported here: only this mode needs the recipe runner and its memory plan.
+    from . import serving_recipes
+
+    result = serving_recipes.image_mode(args, environ)
+    if result.error:
+        error = EntrypointError(result.error)
+        error.exit_code = result.exit_code
+        raise error
+    return Plan(result.argv, result.env, result.log, gpu_for=SERVE_NEEDS_GPU if result.argv else "",
+                output=result.output, exit_code=result.exit_code)
+
+
+def _help(args: list[str], environ: dict[str, str]) -> Plan:
+    _no_arguments("help", args)
+    return Plan([], output=usage(environ))
+
+
+MODES: dict[str, Mode] = {
+    "serve": Mode(_serve, "[MODEL] [VLLM SERVE FLAGS...]",
+                  "vllm serve MODEL (default: the built-in tiny GLM-5, random weights) with the "
+                  "recipe's defaults; the default mode. Needs a GPU: docker run --gpus all ..."),
+    "verify": Mode(_verify, "",
+                   "check the receipt against the build's record and re-verify every overlaid file "
+                   "and module; no GPU needed"),
+    "recipe": Mode(_recipe, "--list | NAME [--dry-run] [--set KEY=VALUE ...] [-- VLLM ARGS]",
+                   "a serving recipe (recipes/serve/): --list and --dry-run print the memory plan and the "
+                   "docker / vllm commands per node, no GPU needed; NAME serves it in this container (one "
+                   "node). Refused: exit 4 (layout: memory, TP/PP, cluster-only), 5 (another image target)"),
+    "help": Mode(_help, "", "this text (also -h, --help); no GPU needed"),
+}
+
+
+def split_mode(args: list[str]) -> tuple[str, list[str]]:
+    """(mode, its arguments): a first argument that names no mode belongs to serve."""
+    if not args:
+        return DEFAULT_MODE, []
+    if args[0] in HELP_FLAGS:
+        return "help", args[1:]
+    if args[0] in MODES:
+        return args[0], args[1:]
+    return DEFAULT_MODE, args
+
+
+def _defaults_text(environ: dict[str, str]) -> list[str]:
     try:
-        chosen = plan(args, dict(os.environ))
+        recipe, target = _recipe_and_target(environ)
     except EntrypointError as exc:
-        print(f"dsa-image: {exc}", file=sys.stderr)
-        return 1
+        return [f"  (cannot show them: {exc})"]
+    serving = recipe.serving
+    lines = [f"  recipe {recipe.id}, target {target.id}, vLLM {recipe.vllm_version}: {target.description}",
+             f"  with no MODEL: {serving['default_model']} --load-format {serving['default_load_format']}"]
+    lines += [f"  {flag} {value}" for flag, value in serving_defaults(recipe, target)]
+    lines.append("  environment, unless the container sets it: "
+                 + (" ".join(f"{k}={v}" for k, v in sorted(target.env.items())) or "(none for this target)"))
+    return lines
+
+
+def vllm_serve_docs(version: str) -> str:
+    return f"https://docs.vllm.ai/en/v{version}/cli/serve/"
+
+
+def _vllm_serve_docs(environ: dict[str, str]) -> str:
+    try:
+        return vllm_serve_docs(_recipe_and_target(environ)[0].vllm_version)
+    except EntrypointError:
+        return "https://docs.vllm.ai (CLI reference, vllm serve)"
+
+
+def usage(environ: dict[str, str]) -> str:
+    lines = ["usage: docker run [--gpus all] [-p 8000:8000] IMAGE [MODE] [ARGS...]", "", "modes:"]
+    for name, mode in MODES.items():
+        lines.append(f"  {name} {mode.synopsis}".rstrip())
+        lines += textwrap.wrap(mode.summary, width=92, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    lines += ["",
+              "A first argument that names no mode goes to serve: `docker run IMAGE zai-org/GLM-5 -tp 4`",
+              "is `serve zai-org/GLM-5 -tp 4`. vLLM's own flags: docker run --gpus all IMAGE serve --help",
+              "(or --help=all, --help=<group>), passed through unchanged; vLLM needs a GPU even for its",
+              f"help, so without one read {_vllm_serve_docs(environ)}",
+              "",
+              "serve adds each of these unless ARGS give the flag:"]
+    lines += _defaults_text(environ)
+    lines += ["", "environment:"]
+    lines += [f"  {name:<24} {what}" for name, what in IMAGE_ENV.items()]
+    lines += [f"  {SKIP_GPU_CHECK:<24} 1: serve without first checking that a GPU is visible",
+              f"  {'NVIDIA_VISIBLE_DEVICES':<24} which GPUs the NVIDIA runtime mounts (the image says all; --gpus picks)",
+              f"  {'CUDA_VISIBLE_DEVICES':<24} which of those vLLM uses",
+              "  and whatever vLLM and Hugging Face read (VLLM_*, HF_TOKEN, HF_HOME ...).",
+              "",
+              "exit codes (the entrypoint's; once vllm serve or the overlay tool runs, theirs):",
+              f"  {OK}  ok",
+              f"  {IMAGE_PROBLEM}  the image is broken: environment, recipe or receipt",
+              f"  {USAGE}  usage: arguments a mode does not take",
+              f"  {NO_GPU}  no usable NVIDIA GPU visible to serve (also to vLLM's serve --help)",
+              "  4  recipe: layout refused (memory, TP/PP, cluster-only)",
+              "  5  recipe: needs another image target"]
+    return "\n".join(lines) + "\n"
+
+
+def plan(args: list[str], environ: dict[str, str]) -> Plan:
+    mode, rest = split_mode(args)
+    return MODES[mode].handler(rest, environ)
+
+
+# -- is a GPU visible? -----------------------------------------------------------------------
+
+_CUDA_ERROR_NO_DEVICE = 100
+_CUDA_ERROR_INSUFFICIENT_DRIVER = 35
+HOW_TO_PASS_GPUS = ("start the container with GPUs: docker run --gpus all ... (the host needs the NVIDIA "
+                    "driver and the NVIDIA Container Toolkit); `IMAGE --help` and `IMAGE verify` work without one")
+
+
+def cuda_device_problem(library: str = LIBCUDA) -> str | None:
+    """Why the CUDA driver offers no GPU to this process (a few words), or None when it sees one
+    or more. Initialises CUDA: call it in a child process (gpu_problem), not in one that goes
+    on to exec vLLM."""
+    try:
+        cuda = ctypes.CDLL(library)
+    except OSError:
+        return f"{library}, the NVIDIA driver, is not in the container"
+    cuda.cuInit.argtypes = [ctypes.c_uint]
+    cuda.cuInit.restype = ctypes.c_int
+    cuda.cuDeviceGetCount.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    cuda.cuDeviceGetCount.restype = ctypes.c_int
+    status = cuda.cuInit(0)
+    if status == _CUDA_ERROR_NO_DEVICE:
+        return (f"the driver lists no device; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}, "
+                f"NVIDIA_VISIBLE_DEVICES={os.environ.get('NVIDIA_VISIBLE_DEVICES', '(unset)')}")
+    if status == _CUDA_ERROR_INSUFFICIENT_DRIVER:
+        return "cuInit: CUDA_ERROR_INSUFFICIENT_DRIVER, the host's NVIDIA driver is too old for this image's CUDA 13"
+    if status != 0:
+        return f"cuInit failed with CUDA error {status}"
+    count = ctypes.c_int(0)
+    status = cuda.cuDeviceGetCount(ctypes.byref(count))
+    if status != 0 or count.value < 1:
+        return f"cuDeviceGetCount gave {count.value} devices, CUDA error {status}"
+    return None
+
+
+def gpu_problem(library: str = LIBCUDA) -> str | None:
+    """cuda_device_problem in a forked child: this process then execs vLLM with no CUDA state
+    (driver handles, a context) left over from the check."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running any of the parent's cleanup
+        os.close(read_end)
+        try:
+            message = cuda_device_problem(library) or ""
+        except BaseException as exc:  # noqa: BLE001 - whatever happens, the parent gets a line
+            message = f"the check itself failed: {exc!r}"
+        os.write(write_end, message.encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        message = pipe.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+        return f"the check ({library}: cuInit, cuDeviceGetCount) crashed, wait status {status}"
+    return message or None
+
+
+def main(argv: list[str] | None = None, gpu_check: Callable[[], str | None] = gpu_problem) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    environ = dict(os.environ)
+    try:
+        chosen = plan(args, environ)
+    except EntrypointError as exc:
+        hint = "; docker run IMAGE --help lists the modes" if isinstance(exc, UsageError) else ""
+        print(f"dsa-image: {exc}{hint}", file=sys.stderr)
+        return exc.exit_code
+    if not chosen.argv:
+        sys.stdout.write(chosen.output)
+        return chosen.exit_code
+    if chosen.gpu_for and environ.get(SKIP_GPU_CHECK) != "1":
+        problem = gpu_check()
+        if problem:
+            print(f"dsa-image: no usable NVIDIA GPU is visible ({problem}), and {chosen.gpu_for}; "
+                  f"{HOW_TO_PASS_GPUS}", file=sys.stderr)
+            return NO_GPU
     print(chosen.log, file=sys.stderr, flush=True)
-    env = {**os.environ, **chosen.env}
+    env = {**environ, **chosen.env}
     env.pop("PYTHONPATH", None)  # set only so this module could be found; vLLM needs none
     os.execvpe(chosen.argv[0], chosen.argv, env)
-    return 0  # not reached: exec replaced this process
+    return OK  # not reached: exec replaced this process
 
 
 if __name__ == "__main__":

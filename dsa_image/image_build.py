@@ -1,13 +1,18 @@
 """Run `docker buildx bake` for this repository and read what it did.
 
-Used by the tests (conftest's image fixtures) and CI. Stdlib only: subprocess + the docker CLI.
+Used by the tests (conftest's image fixtures), CI and `scripts/preflight.py`. Stdlib only:
+subprocess + the docker CLI.
 
 * `BakeOptions.for_this_machine`: host networking (works on any engine, and is the only network
   on engines started without a bridge, like CI's) and the host's CA bundle as the `pip-ca`
   build secret when one exists (needed behind a TLS-intercepting proxy, harmless elsewhere).
 * `bake`: build targets with `--progress plain`, keep the log, parse which steps ran and which
-  came from the cache (`parse_steps`).
+  came from the cache (`parse_steps`); a target with a local output (bake target `test`) is
+  exported into a directory emptied first, so what is there came from this build.
+* `read_test_results`: the in-image pytest run's counts and test files, from that export.
 * `bake_print`: the resolved definition (`docker buildx bake --print`) as a dict.
+* `HostFacts` / `preflight_options` / `bake_invocation`: what this host lacks (a docker0
+  bridge, a reachable registry, direct TLS) and the bake command that works here.
 """
 
 from __future__ import annotations
@@ -15,13 +20,23 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import socket
+import ssl
 import subprocess
 import time
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 MIN_BUILDX = (0, 15)  # bake's `network` attribute
+# Where docs/image.md says how to get Docker and buildx, and what a host without a bridge, a
+# registry or direct TLS needs: every hint points there.
+DOCKER_DOCS = "docs/image.md#getting-docker-and-buildx"
+HOST_DOCS = "docs/image.md#hosts-without-a-registry-a-bridge-or-direct-tls"
+LOCAL_BASE_IMAGE = "dsa-image-base:bookworm"  # what scripts/bootstrap_base_image.sh makes
+BRIDGE_MISSING = "network bridge not found"
 
 
 class BuildError(Exception):
@@ -35,13 +50,15 @@ def buildx_problem() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"docker CLI not usable ({exc})"
     if done.returncode != 0:
-        return f"docker buildx is not installed ({done.stderr.strip() or done.stdout.strip()}); see /work/shared/env/docker.md or .ci/run"
+        return (f"docker buildx is not installed ({done.stderr.strip() or done.stdout.strip()}); "
+                f"how to get it: {DOCKER_DOCS}")
     match = re.search(r"\bv?(\d+)\.(\d+)", done.stdout)
     if not match:
         return f"cannot read the buildx version from {done.stdout.strip()!r}"
     version = (int(match.group(1)), int(match.group(2)))
     if version < MIN_BUILDX:
-        return f"buildx {version[0]}.{version[1]} is too old; bake's `network` needs >= {MIN_BUILDX[0]}.{MIN_BUILDX[1]}"
+        return (f"buildx {version[0]}.{version[1]} is too old; bake's `network` needs >= "
+                f"{MIN_BUILDX[0]}.{MIN_BUILDX[1]} ({DOCKER_DOCS})")
     return None
 
 
@@ -99,6 +116,7 @@ class BuildResult:
     log: str
     log_path: Path | None
     steps: tuple[Step, ...]
+    exported: Path | None = None  # the directory a local output was written to
 
     def rebuilt(self) -> list[Step]:
         """Dockerfile steps (not internal ones) that ran instead of coming from the cache.
@@ -156,11 +174,42 @@ def bake_print(repo: Path, targets: list[str], options: BakeOptions, extra_env: 
         raise BuildError(f"bake --print did not print JSON ({exc}):\n{done.stdout[:2000]}") from exc
 
 
+def local_output(repo: Path, resolved_target: dict) -> Path | None:
+    """The directory a target's `type=local` output writes to (relative to `repo`), if any."""
+    for output in resolved_target.get("output", []):
+        if isinstance(output, dict) and output.get("type") == "local" and output.get("dest"):
+            return (repo / output["dest"]).resolve()
+    return None
+
+
+def _clear_export(repo: Path, directory: Path) -> None:
+    # The local exporter adds to what is there: a file left by an earlier build would pass
+    # for this one's. Only a directory under the repository's build/ is ever removed.
+    if not directory.is_relative_to((repo / "build").resolve()):
+        raise BuildError(f"{directory}: a local output outside {repo / 'build'}; not emptying it")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def failure_hint(log: str) -> str:
+    """What to do about a failure this repository's docs explain, or ""."""
+    if BRIDGE_MISSING in log:
+        return (f"\n'{BRIDGE_MISSING}': this Docker engine has no docker0 bridge; build with "
+                f"BUILD_NETWORK=host and --allow network.host ({HOST_DOCS}; `python3 scripts/preflight.py` "
+                f"prints the command for this host)")
+    if "CERTIFICATE_VERIFY_FAILED" in log:
+        return (f"\npip does not trust this network's TLS (an intercepting proxy?): build with "
+                f"PIP_CA=<the host's CA bundle> and --allow fs.read=<its directory> ({HOST_DOCS})")
+    return ""
+
+
 def bake(repo: Path, target: str, options: BakeOptions, sets: list[str] = (), timeout: float = 3600,
          log_name: str | None = None) -> BuildResult:
     """Build one bake target; the log goes to options.log_dir/<log_name or bake-TARGET>.log."""
     definition = bake_print(repo, [target], options)
     tags = tuple(definition["target"][target].get("tags", []))
+    exported = local_output(repo, definition["target"][target])
+    if exported:
+        _clear_export(repo, exported)
     command = bake_command([target], options, sets)
     env = {**os.environ, **options.environment()}
     log_path = None
@@ -176,6 +225,193 @@ def bake(repo: Path, target: str, options: BakeOptions, sets: list[str] = (), ti
     if done.returncode != 0:
         raise BuildError(f"{' '.join(command)} failed ({done.returncode}) after {seconds:.0f} s"
                          f"{f'; full log: {log_path}' if log_path else ''}\n--- last lines ---\n"
-                         + "\n".join(done.stdout.splitlines()[-60:]))
-    return BuildResult((target,), tags, seconds, done.stdout, log_path, tuple(parse_steps(done.stdout)))
+                         + "\n".join(done.stdout.splitlines()[-60:]) + failure_hint(done.stdout))
+    return BuildResult((target,), tags, seconds, done.stdout, log_path, tuple(parse_steps(done.stdout)), exported)
+
+
+# -- the in-image test run's results (bake target `test`) ------------------------------------
+
+@dataclass(frozen=True)
+class PytestResults:
+    tests: int
+    failures: int
+    errors: int
+    skipped: int
+    files: tuple[str, ...]  # test modules with at least one test case, e.g. tests/test_overlay.py
+    verify: str  # what `overlay.py verify` printed
+
+    @property
+    def passed(self) -> int:
+        return self.tests - self.failures - self.errors - self.skipped
+
+
+def read_test_results(directory: Path) -> PytestResults:
+    """The results the `test-results` stage exports: pytest's junit.xml and verify.txt."""
+    junit, verify = directory / "junit.xml", directory / "verify.txt"
+    for path in (junit, verify):
+        if not path.is_file():
+            raise BuildError(f"{path}: missing; the `test` stage exports it on every build "
+                             f"(Dockerfile stage test-results)")
+    try:
+        root = ET.parse(junit).getroot()
+    except ET.ParseError as exc:
+        raise BuildError(f"{junit}: not XML ({exc})") from exc
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    if not suites:
+        raise BuildError(f"{junit}: no <testsuite>")
+    total = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    # pytest names a module's cases tests.test_x or tests.test_x.TestClass
+    files = sorted({"/".join(case.get("classname", "").split(".")[:2]) + ".py"
+                    for suite in suites for case in suite.iter("testcase") if case.get("classname")})
+    return PytestResults(total["tests"], total["failures"], total["errors"], total["skipped"], tuple(files),
+                         verify.read_text(errors="replace"))
+
+
+# -- preflight: what this host needs to build ------------------------------------------------
+
+def _docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def public_ca_bundle(repo: Path | None = None) -> str | None:
+    """The Mozilla CA bundle as certifi ships it: what pip in a fresh image trusts, unlike this
+    host's store, which may hold a proxy's CA. First the repository's .venv's copy (installed
+    from the hash-locked dev lock, so unmodified), then whatever certifi this Python has (a
+    host may have added its proxy's CA to that one too)."""
+    if repo is not None:
+        for path in sorted((repo / ".venv" / "lib").glob("python3*/site-packages/certifi/cacert.pem")):
+            return str(path)
+    for module in ("certifi", "pip._vendor.certifi"):
+        try:
+            return __import__(module, fromlist=["where"]).where()
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def tls_intercepted(bundle: str | None, host: str = "pypi.org", timeout: float = 15) -> bool | None:
+    """Whether HTTPS to `host` is intercepted (this host's CA store verifies it, the public
+    `bundle` does not). None: cannot tell (no bundle, or `host` unreachable)."""
+    if bundle is None:
+        return None
+
+    def verifies(context: ssl.SSLContext) -> bool:
+        with socket.create_connection((host, 443), timeout=timeout) as sock:
+            with context.wrap_socket(sock, server_hostname=host):
+                return True
+
+    try:
+        return not verifies(ssl.create_default_context(cafile=bundle))
+    except ssl.SSLCertVerificationError:
+        try:
+            return verifies(ssl.create_default_context())
+        except (OSError, ssl.SSLError):
+            return None
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What preflight found. A problem string is None when that part is fine."""
+
+    engine_problem: str | None
+    buildx_problem: str | None
+    bridge: bool  # `docker network inspect bridge` answers: RUN steps can use the default network
+    base_image: str  # the base the bake would use (BASE_IMAGE or the recipe's)
+    base_local: bool  # in this engine already
+    base_pullable: bool | None  # a registry serves it; None when not asked (it is local)
+    local_base: bool  # LOCAL_BASE_IMAGE exists in this engine
+    tls_intercepted: bool | None
+    ca_bundle: Path | None  # this host's CA bundle, when there is one
+    public_bundle: str | None = None  # what tls_intercepted compared with
+
+
+def host_facts(base_image: str, check_tls: bool = True, repo: Path | None = None) -> HostFacts:
+    """Ask this host's Docker engine (and, with check_tls, PyPI) what a build here needs."""
+    ca_bundle = HOST_CA_BUNDLE if HOST_CA_BUNDLE.is_file() else None
+    public = public_ca_bundle(repo)
+    intercepted = tls_intercepted(public) if check_tls else None
+    try:
+        info = _docker("info", "--format", "{{.ServerVersion}}")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        problem = f"the docker CLI cannot run ({exc}); how to get it: {DOCKER_DOCS}"
+        return HostFacts(problem, problem, False, base_image, False, None, False, intercepted, ca_bundle, public)
+    if info.returncode != 0:
+        problem = f"no Docker engine answers ({info.stderr.strip()}); start it, or see {DOCKER_DOCS}"
+        return HostFacts(problem, buildx_problem(), False, base_image, False, None, False, intercepted, ca_bundle,
+                         public)
+    bridge = _docker("network", "inspect", "bridge").returncode == 0
+    base_local = _docker("image", "inspect", base_image).returncode == 0
+    base_pullable = None
+    if not base_local:
+        try:  # asks the registry for the manifest only: nothing is pulled
+            base_pullable = _docker("buildx", "imagetools", "inspect", base_image).returncode == 0
+        except subprocess.TimeoutExpired:
+            base_pullable = False
+    local_base = _docker("image", "inspect", LOCAL_BASE_IMAGE).returncode == 0
+    return HostFacts(None, buildx_problem(), bridge, base_image, base_local, base_pullable, local_base,
+                     intercepted, ca_bundle, public)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    options: BakeOptions
+    notes: list[str]  # one line per finding, what it means for the build
+    blockers: list[str]  # what must be done before any build can work
+
+
+def preflight_options(facts: HostFacts, recipe_base: str) -> Preflight:
+    """The bake options that work on a host with these facts, and why each was chosen."""
+    notes, blockers = [], []
+    for problem in (facts.engine_problem, facts.buildx_problem):
+        if problem and problem not in blockers:
+            blockers.append(problem)
+    if facts.engine_problem:  # nothing else could be asked
+        return Preflight(BakeOptions(network="default"), notes, blockers)
+    network = "default"
+    if not facts.bridge:
+        network = "host"
+        notes.append(f"no docker0 bridge ('{BRIDGE_MISSING}' in a default build): BUILD_NETWORK=host, "
+                     f"--allow network.host")
+    base = None if facts.base_image == recipe_base else facts.base_image
+    if facts.base_local or facts.base_pullable:
+        notes.append(f"base image {facts.base_image}: {'in this engine' if facts.base_local else 'a registry serves it'}")
+    elif facts.local_base:
+        base = LOCAL_BASE_IMAGE
+        notes.append(f"base image {facts.base_image}: not here and no registry serves it; using the local "
+                     f"{LOCAL_BASE_IMAGE} (scripts/bootstrap_base_image.sh): BASE_IMAGE={LOCAL_BASE_IMAGE}")
+    else:
+        blockers.append(f"base image {facts.base_image}: not here and no registry serves it; make a local one "
+                        f"first: sudo bash scripts/bootstrap_base_image.sh (then BASE_IMAGE={LOCAL_BASE_IMAGE})")
+        base = LOCAL_BASE_IMAGE
+    pip_ca = None
+    if facts.tls_intercepted:
+        if facts.ca_bundle:
+            pip_ca = facts.ca_bundle
+            notes.append(f"HTTPS to PyPI is intercepted (this host trusts it, the public CA bundle does not): "
+                         f"PIP_CA={pip_ca}, --allow fs.read={pip_ca.resolve().parent}")
+        else:
+            blockers.append("HTTPS to PyPI is intercepted and this host has no CA bundle at "
+                            f"{HOST_CA_BUNDLE}: set PIP_CA to the proxy's CA bundle ({HOST_DOCS})")
+    else:
+        finding = ("could not tell whether HTTPS to PyPI is intercepted" if facts.tls_intercepted is None else
+                   f"HTTPS to PyPI verifies with the public CA bundle ({facts.public_bundle})")
+        notes.append(f"{finding}; if pip in the build fails with CERTIFICATE_VERIFY_FAILED, add "
+                     f"PIP_CA=<CA bundle> and --allow fs.read=<its directory>")
+    return Preflight(BakeOptions(base_image=base, network=network, pip_ca=pip_ca), notes, blockers)
+
+
+def bake_invocation(options: BakeOptions, target: str) -> str:
+    """The shell command that runs `docker buildx bake TARGET` with `options`; variables left
+    at the bake file's defaults are not written."""
+    variables = []
+    if options.network != "default":
+        variables.append(f"BUILD_NETWORK={options.network}")
+    if options.pip_ca:
+        variables.append(f"PIP_CA={options.pip_ca}")
+    if options.base_image:
+        variables.append(f"BASE_IMAGE={options.base_image}")
+    variables += [f"{k}={v}" for k, v in options.variables.items()]
+    return " ".join([*variables, "docker", "buildx", "bake", target, *options.allow_flags()])
 

@@ -13,8 +13,10 @@ image="${1:-dsa-image-base:bookworm}"
 suite="bookworm"
 mirror="http://deb.debian.org/debian"
 
+use_it="bootstrap_base_image: build on it with BASE_IMAGE=$image docker buildx bake ... (python3 scripts/preflight.py prints the whole command)"
 if docker image inspect "$image" >/dev/null 2>&1; then
     echo "bootstrap_base_image: $image already exists, keeping it"
+    echo "$use_it"
     exit 0
 fi
 command -v debootstrap >/dev/null || {
@@ -30,3 +32,4 @@ debootstrap --variant=minbase "$suite" "$rootfs" "$mirror"
 rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin
 tar -C "$rootfs" -c . | docker import -c 'CMD ["bash"]' -m "debootstrap --variant=minbase $suite $mirror" - "$image"
 echo "bootstrap_base_image: made $image"
+echo "$use_it"

@@ -13,6 +13,21 @@
 #   serve    stock twice and the overlay once, served side by side
 #            (token equivalence, JIT during inference).
 #   smoke    the smoke test's local runtime against the overlay.
+#   mtp      stock vs overlay served with MTP, 1 and 3 speculative tokens (native
+#            and flattened indexer decode paths), CUDA graphs on.
+#   longctx  stock vs overlay at max_model_len 65536, prompts of 20k-65k tokens,
+#            bf16 and fp8 (fp8_ds_mla) KV cache.
+#   deploy   stock vs overlay: fp8 KV at 8k, and 65536 + fp8 KV + MTP 3 together.
+#   warmstart  start-to-healthy with empty / warm caches, the first 3,000-token
+#            request with and without the warm-up (WARMSTART_STEPS, two calls).
+#   bench    the paired benchmark (scripts/bench.py run; BENCH_ARGS, BENCH_LABEL).
+#   b12x     the overlay's b12x path with b12x's kernels emulated (emulation/, validation
+#            only): exact top-k against a dense reference per case, the emulation against
+#            the b12x wheel's references, the locked workspace, the self-test's b12x branch;
+#            then dsa_image.selftest with this GPU's DeepGEMM kernels, its refusal of b12x
+#            here and a deliberately broken kernel.
+#   b12xserve  the tiny GLM-5 served on the emulated b12x path beside stock (DeepGEMM),
+#            CUDA graphs on: health, errors, tokens, selections explained.
 #
 # Wheels arrive split (scripts/stage_h200_wheels.py) in /tmp/stage. Results go
 # to $OUT (as one tarball plus the summaries: $OUT keeps at most 8 files).
@@ -130,6 +145,93 @@ smoke() {
   tail -30 "$results/smoke.log"
 }
 
+# The tiny GLM-5 with its MTP layer, for the MTP modes and the MTP benchmark.
+mtp_model() {
+  [ -d /tmp/tiny-glm5-mtp ] || PYTHONPATH="$repo" python3 -c 'import sys; from pathlib import Path
+from dsa_image.tiny_model import MTP_CONFIG, write_model
+write_model(Path(sys.argv[1]), MTP_CONFIG)' /tmp/tiny-glm5-mtp || exit 1
+}
+
+# mtp, longctx, deploy: four servers each (two modes), started together; CUDA graphs on.
+modes() {
+  local name=$1 list=$2
+  log "serving modes $list: stock vs overlay, side by side"
+  mtp_model
+  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving_modes --modes "$list" \
+    --model /tmp/tiny-glm5 --mtp-model /tmp/tiny-glm5-mtp \
+    --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay --out "$results/$name" --timeout 480) \
+    > "$results/$name.log" 2>&1
+  echo "$name exit: $?" | tee -a "$results/$name.log"
+  grep -E "PASS|FAIL|error" "$results/$name.log" | tail -20
+  cp "$results/$name/serving-modes.json" "$out/$name-serving-modes.json" 2>/dev/null
+  rm -rf "$results/$name/work"  # the servers' compile caches: not results
+}
+
+# Compile caches are the subject here: the image keeps vLLM's, so this phase does too.
+warmstart() {
+  local steps=${WARMSTART_STEPS:-cold,warm-warmup}
+  log "warm start: steps $steps, stock and overlay side by side"
+  (cd /tmp && env -u VLLM_DISABLE_COMPILE_CACHE PYTHONPATH="$repo" python3 -m dsa_image.validation.warmstart \
+    --model /tmp/tiny-glm5 --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay \
+    --out "$results/warmstart" --work-dir /tmp/warmstart-homes --steps "$steps") \
+    > "$results/warmstart-$steps.log" 2>&1
+  echo "warmstart exit: $?" | tee -a "$results/warmstart-$steps.log"
+  tail -12 "$results/warmstart-$steps.log"
+  cp "$results/warmstart/warmstart.json" "$out/warmstart-${steps//,/+}.json"
+}
+
+# BENCH_ARGS picks workloads and round counts (scripts/bench.py plan shows them); the servers'
+# HOMEs stay in /tmp/bench-work, so a second call of the same group starts warm.
+bench() {
+  local label=${BENCH_LABEL:-bench}
+  log "benchmark $label: ${BENCH_ARGS:-all workloads}"
+  mtp_model
+  # shellcheck disable=SC2086  # BENCH_ARGS is split on purpose
+  (cd /tmp && env -u VLLM_DISABLE_COMPILE_CACHE python3 "$repo/scripts/bench.py" run \
+    --a-site /tmp/site-stock --b-site /tmp/site-overlay --a-name stock --b-name overlay \
+    --model /tmp/tiny-glm5 --mtp-model /tmp/tiny-glm5-mtp --work-dir /tmp/bench-work \
+    --out "$results/$label" --deadline-s "${BENCH_DEADLINE_S:-520}" ${BENCH_ARGS:-}) \
+    > "$results/$label.log" 2>&1
+  echo "bench exit: $?" | tee -a "$results/$label.log"
+  tail -25 "$results/$label.log"
+  cp "$results/$label/results.json" "$out/$label-results.json"
+}
+
+# emulation/ first on PYTHONPATH: `import b12x` finds the emulation; the b12x wheel stays
+# installed in the site (the overlay's start-up check reads its release).
+b12x() {
+  log "b12x path, emulated kernels: glue exactness and cross-checks"
+  (cd /tmp && PYTHONPATH="$repo/emulation:/tmp/site-overlay:$repo" python3 -m dsa_image.validation.b12x_glue \
+    --model /tmp/tiny-glm5 --json "$results/b12x-glue.json") > "$results/b12x-glue.log" 2>&1
+  echo "b12x glue exit: $?" | tee -a "$results/b12x-glue.log"
+  grep -v "compute-capability check bypassed\|^INFO\|^WARNING\|^DEBUG" "$results/b12x-glue.log" | tail -70
+  cp "$results/b12x-glue.json" "$out/"
+  selftest
+}
+
+selftest() {
+  log "self-test: this GPU's kernels, the b12x refusal, a broken kernel"
+  local step
+  for step in "auto:" "refusal:--kernels b12x" "broken:--break prefill-long"; do
+    # shellcheck disable=SC2086  # the step's arguments are split on purpose
+    (cd /tmp && PYTHONPATH="/tmp/site-overlay:$repo" python3 -m dsa_image.selftest ${step#*:} \
+      --json "$results/selftest-${step%%:*}.json") > "$results/selftest-${step%%:*}.txt" 2>&1
+    echo "selftest ${step%%:*} exit: $?" | tee -a "$results/selftest-${step%%:*}.txt"
+    grep -v "^INFO\|^WARNING\|^DEBUG" "$results/selftest-${step%%:*}.txt" | tail -12
+    cp "$results/selftest-${step%%:*}.txt" "$out/"
+  done
+}
+
+b12xserve() {
+  log "serving on the emulated b12x path beside stock, CUDA graphs on"
+  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.b12x_serving --model /tmp/tiny-glm5 \
+    --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay --emulation "$repo/emulation" \
+    --repo "$repo" --out "$results/b12xserve" --timeout 480) > "$results/b12xserve.log" 2>&1
+  echo "b12xserve exit: $?" | tee -a "$results/b12xserve.log"
+  tail -60 "$results/b12xserve.log"
+  cp "$results/b12xserve/serving-b12x.json" "$out/" 2>/dev/null
+}
+
 collect() {
   for f in metadata-equivalence.json metadata-equivalence.txt serving/serving-equivalence.json \
            smoke/smoke-report.json toolchain/smoke-report.json toolchain-compilers.txt environment.txt; do
@@ -148,5 +250,12 @@ case $phase in
   toolchain) environment; toolchain; collect ;;
   serve) environment; serve; collect ;;
   smoke) environment; smoke; collect ;;
+  mtp) environment; modes mtp mtp1,mtp3; collect ;;
+  longctx) environment; modes longctx long-bf16,long-fp8; collect ;;
+  deploy) environment; modes deploy fp8,long-fp8-mtp3; collect ;;
+  warmstart) environment; warmstart; collect ;;
+  bench) environment; bench; collect ;;
+  b12x) environment; b12x; collect ;;
+  b12xserve) environment; b12xserve; collect ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

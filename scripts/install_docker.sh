@@ -2,8 +2,9 @@
 # Install a Docker engine, buildx and debootstrap on a Debian bookworm CI machine, and start
 # the daemon; each part is skipped when already present or running. As root.
 #
-# How and why (no bridge, buildx from sid, host networking): /work/shared/env/docker.md and
-# docs/image.md. Exit 0 when `docker info` and `docker buildx version` answer, 1 otherwise.
+# How and why (no bridge, buildx from sid, host networking): docs/image.md, "Getting Docker
+# and buildx" and "Hosts without a registry, a bridge or direct TLS".
+# Exit 0 when `docker info` and `docker buildx version` answer, 1 otherwise.
 set -euo pipefail
 
 log() { echo "install_docker: $*" >&2; }
@@ -39,3 +40,8 @@ if ! docker info >/dev/null 2>&1; then
 fi
 docker info >/dev/null 2>&1 || { log "dockerd did not answer within 60 s; see /var/log/dockerd.log"; tail -20 /var/log/dockerd.log >&2; exit 1; }
 log "$(docker version --format 'engine {{.Server.Version}}'), $(docker buildx version)"
+if ! docker network inspect bridge >/dev/null 2>&1; then
+    # A default build on this engine fails with "network bridge not found".
+    log "this engine has no docker0 bridge: bake with BUILD_NETWORK=host and --allow network.host" \
+        "(python3 scripts/preflight.py prints the whole command; docs/image.md, \"Hosts without a registry, a bridge or direct TLS\")"
+fi

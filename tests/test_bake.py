@@ -90,12 +90,21 @@ def test_network_ca_secret_and_cache_variables_reach_the_targets(buildx):
     assert resolved["args"]["BASE_IMAGE"] == "local-base:1"
 
 
-def test_test_target_builds_the_sm120_test_stage_and_exports_nothing(buildx):
+def test_test_target_builds_the_sm120_test_stage_and_exports_its_results(buildx):
+    """Every `test` build, cached or not, hands over the in-image results: the stage that holds
+    them only, written to build/test-results, which the image tests read."""
     printed = _print(["test"])["target"]
     resolved = printed["test"]
-    assert resolved["target"] == "test"
+    assert resolved["target"] == "test-results"
     assert resolved["args"]["TARGET"] == "sm120"
-    assert resolved["output"] == [{"type": "cacheonly"}]
+    assert resolved["output"] == [{"type": "local", "dest": "build/test-results"}]
+    assert "tags" not in resolved or resolved["tags"] == []
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    stage = dockerfile.split("FROM scratch AS test-results\n", 1)[1].split("\n# ---", 1)[0]
+    assert stage.strip() == "COPY --from=test /opt/dsa-image/test-results/ /"
+    test_stage = dockerfile.split("FROM overlay AS test\n", 1)[1].split("FROM scratch AS test-results", 1)[0]
+    assert "--junitxml=/opt/dsa-image/test-results/junit.xml" in test_stage
+    assert "| tee /opt/dsa-image/test-results/verify.txt" in test_stage
 
 
 def _pins() -> list[str]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
+import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -24,9 +27,10 @@ HEAVY_STAGES = {"base", "pins", "deps", "extras", "tiny-model"}
 AFTER_OVERLAY = {"overlay", "test", "runtime"}
 
 
-def _run(client, image: str, *args: str, entrypoint: str | None = None) -> tuple[int, str]:
+def _run(client, image: str, *args: str, entrypoint: str | None = None,
+         environment: dict[str, str] | None = None) -> tuple[int, str]:
     container = client.containers.run(image, list(args), entrypoint=entrypoint, network_mode="host",
-                                      detach=True)
+                                      environment=environment, detach=True)
     try:
         code = container.wait(timeout=600)["StatusCode"]
         return code, container.logs().decode(errors="replace")
@@ -34,12 +38,45 @@ def _run(client, image: str, *args: str, entrypoint: str | None = None) -> tuple
         container.remove(force=True)
 
 
-def test_test_stage_runs_verify_and_the_tests_in_the_image(test_stage_build):
-    steps = [s for s in test_stage_build.steps if s.stage == "test"]
-    ran = [s for s in steps if not s.cached]
-    assert steps, "the test target built no step of the `test` stage"
-    if any("pytest" in s.name for s in ran):  # a cached step passed in an earlier build
-        assert " passed" in test_stage_build.log and " failed" not in test_stage_build.log
+def _in_image_test_files() -> set[str]:
+    """The test files the Dockerfile's `test` stage runs."""
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    stage = dockerfile.split("FROM overlay AS test\n", 1)[1].split("\nFROM ", 1)[0]
+    return set(re.findall(r"tests/test_\w+\.py", stage))
+
+
+def test_test_stage_results_are_exported_and_passed_whether_or_not_the_step_was_cached(test_stage_build):
+    """The results come out of the image on every build (build/test-results, emptied first), so
+    a warm-cache run checks what the cached step proved, not only that a stage exists."""
+    assert test_stage_build.exported == (REPO_ROOT / "build" / "test-results").resolve()
+    run = image_build.read_test_results(test_stage_build.exported)
+    assert run.failures == 0 and run.errors == 0, run
+    assert run.passed > 0, run
+    assert set(run.files) == _in_image_test_files(), run.files
+    assert "tests/test_image_entrypoint.py" in run.files and "tests/test_image_healthcheck.py" in run.files
+    assert run.verify.strip(), "overlay.py verify printed nothing"
+    pytest_step = [s for s in test_stage_build.steps if s.stage == "test" and "pytest" in s.name]
+    assert pytest_step, "the build log names no pytest step of the `test` stage"
+    print(f"in-image tests: {run.passed} passed, {run.skipped} skipped "
+          f"({'from cache' if pytest_step[0].cached else 'ran now'})")
+
+
+def test_a_failing_in_image_test_fails_the_build_and_leaves_no_results(docker_client, bake_options, tmp_path):
+    """In a copy of the repository, the in-image test files are replaced by quick ones, one of
+    them failing: the `test` build must fail, and no results (not even an earlier build's) may
+    be left where the passing results are read."""
+    _copy_build_context(tmp_path)
+    files = sorted(_in_image_test_files())
+    for name in files:
+        (tmp_path / name).write_text("def test_passes():\n    pass\n")
+    (tmp_path / files[0]).write_text(f"def test_fails_on_purpose():\n    assert False, 'probe {uuid.uuid4().hex}'\n")
+    stale = tmp_path / "build" / "test-results"
+    stale.mkdir(parents=True)
+    (stale / "junit.xml").write_text('<testsuite tests="1" failures="0" errors="0" skipped="0"/>')
+    with pytest.raises(image_build.BuildError) as failed:
+        image_build.bake(tmp_path, "test", bake_options, log_name="bake-test-failing-probe")
+    assert "1 failed" in str(failed.value) and "test_fails_on_purpose" in str(failed.value)
+    assert not (stale / "junit.xml").exists()
 
 
 def test_runtime_verify_passes(docker_client, runtime_image):
@@ -86,7 +123,7 @@ def test_runtime_config_user_health_entrypoint_and_cuda_environment(docker_clien
     config = docker_client.api.inspect_image(runtime_image)["Config"]
     env = dict(item.split("=", 1) for item in config["Env"])
     assert config["User"] == "vllm"
-    assert "/health" in " ".join(config["Healthcheck"]["Test"])
+    assert config["Healthcheck"]["Test"][0] == "CMD" and config["Healthcheck"]["Test"][-2:] == ["-m", "dsa_image.healthcheck"]
     assert config["Entrypoint"][-2:] == ["-m", "dsa_image.entrypoint"]
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
     assert env["CUDA_HOME"].endswith("/site-packages/nvidia/cu13")
@@ -102,13 +139,76 @@ def test_runtime_config_user_health_entrypoint_and_cuda_environment(docker_clien
 
 
 def test_default_command_serves_the_built_in_model_and_says_so(docker_client, runtime_image):
-    """Without --gpus the container has no GPU, so vLLM stops at device detection: far enough
-    to show the entrypoint's log line and that `vllm serve` of the tiny model really started."""
-    code, logs = _run(docker_client, runtime_image)
+    """Without --gpus the container has no GPU; with the GPU check skipped vLLM stops at device
+    detection: far enough to show the entrypoint's log line and that `vllm serve` of the tiny
+    model really started."""
+    code, logs = _run(docker_client, runtime_image, environment={"DSA_IMAGE_SKIP_GPU_CHECK": "1"})
     model = RECIPE.serving["default_model"]
     assert f"serving the built-in tiny GLM-5 at {model}" in logs
     assert f"vllm serve {model} --load-format {RECIPE.serving['default_load_format']}" in logs
     assert "vllm/entrypoints/cli" in logs and code != 0  # vLLM ran, and found no GPU
+
+
+def test_help_works_without_a_gpu_and_lists_modes_and_defaults(docker_client, runtime_image):
+    target = RECIPE.target("sm120")
+    for flag in ("--help", "-h", "help"):
+        code, out = _run(docker_client, runtime_image, flag)
+        assert code == 0 and "Traceback" not in out, out
+        assert out.startswith("usage: ") and "\n  serve " in out and "\n  verify" in out
+        assert f"--max-model-len {RECIPE.serving['max_model_len']}" in out
+        assert f"--kv-cache-dtype {target.kv_cache_dtype}" in out and f"--port {RECIPE.serving['port']}" in out
+        assert all(f"{k}={v}" in out for k, v in target.env.items())
+
+
+@pytest.mark.parametrize("args", [(), ("zai-org/GLM-5", "--tensor-parallel-size", "4"), ("--bogus-flag",)])
+def test_serving_without_a_gpu_is_one_line_and_exit_code_3(docker_client, runtime_image, args):
+    code, out = _run(docker_client, runtime_image, *args)
+    assert code == 3, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and "no usable NVIDIA GPU is visible" in lines[0] and "--gpus all" in lines[0], out
+
+
+def test_vllms_serve_help_without_a_gpu_says_where_its_flags_are(docker_client, runtime_image):
+    """vLLM's parser detects the device even for --help; instead of its traceback one line
+    naming the pinned version's CLI docs."""
+    code, out = _run(docker_client, runtime_image, "serve", "--help")
+    lines = out.strip().splitlines()
+    assert code == 3 and len(lines) == 1, out
+    assert f"https://docs.vllm.ai/en/v{RECIPE.vllm_version}/cli/serve/" in lines[0]
+
+
+def test_verify_with_an_argument_is_a_usage_error(docker_client, runtime_image):
+    code, out = _run(docker_client, runtime_image, "verify", "extra")
+    assert code == 2 and "`verify` takes no arguments" in out and "Traceback" not in out, out
+
+
+def test_healthcheck_follows_the_port_served(docker_client, runtime_image):
+    """A stand-in for `vllm serve --port N` (its argv as PID 1, /health on N): the image's own
+    HEALTHCHECK command must probe N, not the recipe's port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    assert port != RECIPE.serving["port"]
+    server = ("import http.server, sys\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200 if self.path == '/health' else 404); self.end_headers()\n"
+              "http.server.HTTPServer(('127.0.0.1', int(sys.argv[-1])), H).serve_forever()\n")
+    check = docker_client.api.inspect_image(runtime_image)["Config"]["Healthcheck"]["Test"]
+    assert check[0] == "CMD"
+    container = docker_client.containers.run(runtime_image, ["-c", server, "vllm", "serve", "--port", str(port)],
+                                             entrypoint="/opt/venv/bin/python", network_mode="host", detach=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            code, out = container.exec_run(check[1:])
+            if code == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert code == 0, out.decode(errors="replace") + container.logs().decode(errors="replace")
+        assert f"healthy: http://127.0.0.1:{port}/health" in out.decode()
+    finally:
+        container.remove(force=True)
 
 
 def test_built_in_model_is_exactly_what_the_generator_writes(docker_client, runtime_image):

@@ -5,6 +5,8 @@ Expected values come from the recipe (load_recipe), never typed here."""
 from __future__ import annotations
 
 import hashlib
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,194 @@ def test_verify_runs_the_overlay_tools_verify(tmp_path, monkeypatch):
     monkeypatch.setattr(entrypoint, "RECEIPT_SHA256", recorded)
     plan = entrypoint.plan(["verify"], {**ENVIRON, "DSA_IMAGE_SITE_PACKAGES": str(site)})
     assert plan.argv[1:] == [str(REPO_ROOT / "scripts" / "overlay.py"), "verify", "--site-packages", str(site)]
+
+
+# -- modes, usage, the GPU check ------------------------------------------------------------
+
+@pytest.mark.parametrize("args, mode, rest", [
+    ([], "serve", []),
+    (["serve"], "serve", []),
+    (["serve", "some/model", "-tp", "2"], "serve", ["some/model", "-tp", "2"]),
+    (["some/model", "-tp", "2"], "serve", ["some/model", "-tp", "2"]),
+    (["--port", "9000"], "serve", ["--port", "9000"]),
+    (["--bogus-flag"], "serve", ["--bogus-flag"]),
+    (["verify"], "verify", []),
+    (["verify", "extra"], "verify", ["extra"]),
+    (["--help"], "help", []),
+    (["-h"], "help", []),
+    (["help"], "help", []),
+])
+def test_the_first_argument_picks_the_mode_and_anything_else_is_serves(args, mode, rest):
+    assert entrypoint.split_mode(args) == (mode, rest)
+
+
+def test_help_lists_every_mode_the_serving_defaults_and_the_environment():
+    plan = entrypoint.plan(["--help"], ENVIRON)
+    assert plan.argv == [] and plan.exit_code == entrypoint.OK and not plan.gpu_for
+    text = plan.output
+    for mode in entrypoint.MODES:
+        assert f"\n  {mode}" in text
+    for flag, value in entrypoint.serving_defaults(RECIPE, SM120):
+        assert f"{flag} {value}" in text
+    assert RECIPE.serving["default_model"] in text
+    for name, value in SM120.env.items():
+        assert f"{name}={value}" in text
+    for name in [*entrypoint.IMAGE_ENV, entrypoint.SKIP_GPU_CHECK, "CUDA_VISIBLE_DEVICES"]:
+        assert name in text
+    assert "serve --help" in text and entrypoint.vllm_serve_docs(RECIPE.vllm_version) in text  # vLLM's own flags
+    for code in (entrypoint.OK, entrypoint.IMAGE_PROBLEM, entrypoint.USAGE, entrypoint.NO_GPU):
+        assert f"\n  {code}  " in text
+
+
+def test_help_works_without_the_images_environment():
+    plan = entrypoint.plan(["-h"], {})
+    assert "verify" in plan.output and "cannot show them" in plan.output and "DSA_IMAGE_TOOL" in plan.output
+
+
+@pytest.mark.parametrize("args", [["verify", "extra"], ["verify", "--site-packages", "/x"], ["help", "me"]])
+def test_arguments_a_mode_does_not_take_are_a_usage_error(args):
+    with pytest.raises(entrypoint.UsageError, match=f"`{args[0]}` takes no arguments"):
+        entrypoint.plan(args, ENVIRON)
+
+
+def test_vllms_own_help_is_passed_through_without_defaults_and_says_where_its_flags_are_without_gpu():
+    """vLLM 0.24.0 builds its parser from config defaults that detect the device, so its help
+    needs a GPU too (checked in the image: without one it is the 'Failed to infer device type'
+    traceback); the GPU check's line then points to the pinned version's docs."""
+    for args in (["serve", "--help"], ["serve", "-h"], ["some/model", "--help=ModelConfig"]):
+        plan = entrypoint.plan(args, ENVIRON)
+        rest = args[1:] if args[0] == "serve" else args
+        assert plan.argv == ["vllm", "serve", *rest]
+        assert entrypoint.vllm_serve_docs(RECIPE.vllm_version) in plan.gpu_for
+
+
+def test_serving_needs_a_gpu_and_verify_does_not(tmp_path, monkeypatch):
+    assert entrypoint.plan([], ENVIRON).gpu_for == entrypoint.SERVE_NEEDS_GPU
+    assert entrypoint.plan(["some/model"], ENVIRON).gpu_for == entrypoint.SERVE_NEEDS_GPU
+    site, receipt, recorded = _receipts(tmp_path)
+    monkeypatch.setattr(entrypoint, "RECEIPT", receipt)
+    monkeypatch.setattr(entrypoint, "RECEIPT_SHA256", recorded)
+    assert not entrypoint.plan(["verify"], {**ENVIRON, "DSA_IMAGE_SITE_PACKAGES": str(site)}).gpu_for
+
+
+def test_a_new_mode_is_one_entry_in_the_table(monkeypatch):
+    ran = entrypoint.Plan(["true"])
+    monkeypatch.setitem(entrypoint.MODES, "selftest",
+                        entrypoint.Mode(lambda args, environ: ran, "[N]", "a mode added for this test"))
+    assert entrypoint.plan(["selftest", "3"], ENVIRON) is ran
+    assert "selftest [N]" in entrypoint.usage(ENVIRON) and "a mode added for this test" in entrypoint.usage(ENVIRON)
+
+
+class _Exec(Exception):
+    """Raised by the stand-in for os.execvpe: what would have replaced the process."""
+
+
+@pytest.fixture
+def no_exec(monkeypatch):
+    def fake_execvpe(file, argv, env):
+        raise _Exec(argv, env)
+    monkeypatch.setattr(entrypoint.os, "execvpe", fake_execvpe)
+    for name, value in ENVIRON.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(entrypoint.SKIP_GPU_CHECK, raising=False)
+    monkeypatch.delenv(next(iter(SM120.env)), raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/opt/dsa-image/tool")
+
+
+def _gpu_check_must_not_run():
+    raise AssertionError("the GPU check ran")
+
+
+def test_main_help_prints_usage_exits_0_and_never_checks_the_gpu(no_exec, capsys):
+    assert entrypoint.main(["--help"], gpu_check=_gpu_check_must_not_run) == entrypoint.OK
+    out = capsys.readouterr()
+    assert out.out.startswith("usage: ") and "verify" in out.out and out.err == ""
+
+
+@pytest.mark.parametrize("args", [[], ["some/model"], ["--bogus-flag"], ["serve", "--port", "9000"], ["serve", "--help"]])
+def test_main_without_a_gpu_says_so_in_one_line_and_exits_no_gpu(no_exec, capsys, args):
+    assert entrypoint.main(args, gpu_check=lambda: "a cause for this test") == entrypoint.NO_GPU
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dsa-image: no usable NVIDIA GPU is visible (a cause for this test)")
+    assert "docker run --gpus all" in err and "NVIDIA Container Toolkit" in err
+    assert entrypoint.plan(args, ENVIRON).gpu_for in err
+
+
+def test_main_usage_error_exits_2_with_one_line(no_exec, capsys):
+    assert entrypoint.main(["verify", "extra"], gpu_check=_gpu_check_must_not_run) == entrypoint.USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "`verify` takes no arguments" in err and "--help" in err
+
+
+def test_main_with_a_gpu_execs_vllm_with_the_targets_environment_and_no_pythonpath(no_exec, capsys):
+    with pytest.raises(_Exec) as raised:
+        entrypoint.main(["some/model"], gpu_check=lambda: None)
+    argv, env = raised.value.args
+    assert argv[:3] == ["vllm", "serve", "some/model"]
+    assert all(env[k] == v for k, v in SM120.env.items()) and "PYTHONPATH" not in env
+    assert "vllm serve with the recipe's defaults" in capsys.readouterr().err
+
+
+def test_main_skips_the_gpu_check_when_asked(no_exec, monkeypatch):
+    monkeypatch.setenv(entrypoint.SKIP_GPU_CHECK, "1")
+    with pytest.raises(_Exec):
+        entrypoint.main([], gpu_check=_gpu_check_must_not_run)
+
+
+def test_main_image_problem_exits_1(no_exec, monkeypatch, capsys):
+    monkeypatch.delenv("DSA_IMAGE_TARGET")
+    assert entrypoint.main([], gpu_check=_gpu_check_must_not_run) == entrypoint.IMAGE_PROBLEM
+    assert "DSA_IMAGE_TARGET" in capsys.readouterr().err
+
+
+def test_no_driver_library_means_no_gpu():
+    for check in (entrypoint.cuda_device_problem, entrypoint.gpu_problem):
+        problem = check("libcuda-not-here-dsa-image-test.so.1")
+        assert problem == "libcuda-not-here-dsa-image-test.so.1, the NVIDIA driver, is not in the container"
+
+
+FAKE_LIBCUDA = r"""
+#include <stdlib.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+static int env_int(const char *name) { const char *v = getenv(name); return v ? atoi(v) : 0; }
+int cuInit(unsigned int flags) { return flags == 0 ? env_int("FAKE_CUINIT") : 1; }
+int cuDeviceGetCount(int *count) { *count = env_int("FAKE_COUNT"); return env_int("FAKE_COUNT_STATUS"); }
+#ifdef __cplusplus
+}
+#endif
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_libcuda(tmp_path_factory) -> str:
+    """A libcuda stand-in whose cuInit / cuDeviceGetCount answer what FAKE_* say: the check's
+    real ctypes calls, in a real child process, without a GPU."""
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C compiler to build the libcuda stand-in")
+    directory = tmp_path_factory.mktemp("fake-libcuda")
+    (directory / "fake.c").write_text(FAKE_LIBCUDA)
+    library = directory / "libcuda.so.1"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(directory / "fake.c")], check=True)
+    return str(library)
+
+
+@pytest.mark.parametrize("cuinit, count, count_status, expected", [
+    ("0", "2", "0", None),
+    ("0", "0", "0", "cuDeviceGetCount gave 0 devices"),
+    ("0", "1", "3", "CUDA error 3"),
+    ("100", "0", "0", "lists no device"),
+    ("35", "0", "0", "too old"),
+    ("999", "0", "0", "CUDA error 999"),
+])
+def test_the_gpu_check_reads_the_drivers_answers(fake_libcuda, monkeypatch, cuinit, count, count_status, expected):
+    monkeypatch.setenv("FAKE_CUINIT", cuinit)
+    monkeypatch.setenv("FAKE_COUNT", count)
+    monkeypatch.setenv("FAKE_COUNT_STATUS", count_status)
+    problem = entrypoint.gpu_problem(fake_libcuda)
+    if expected is None:
+        assert problem is None
+    else:
+        assert problem and expected in problem and "\n" not in problem

@@ -29,3 +29,58 @@ def test_every_image_tag_in_the_readme_is_the_recipes_version():
 def test_the_second_command_is_the_one_ci_runs():
     assert code_lines()[1] == "python3 scripts/test.py"
     assert "python3 scripts/test.py" in (REPO / ".ci" / "run").read_text()
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(markdown: str) -> set[str]:
+    return {_slug(line.lstrip("#")) for line in markdown.splitlines() if line.startswith("#")}
+
+
+def test_right_under_the_first_command_hosts_without_registry_bridge_or_direct_tls_are_pointed_to_the_docs():
+    after = README.split(code_lines()[0], 1)[1].lstrip("\n")
+    note = after.split("\n\n", 1)[0]
+    assert not note.startswith("    "), "the next paragraph after the first command must be the note"
+    for needed in ("BASE_IMAGE", "BUILD_NETWORK=host", "--allow network.host", "PIP_CA", "network bridge not found",
+                   "TLS-intercepting proxy", "python3 scripts/preflight.py"):
+        assert needed in note, needed
+    links = re.findall(r"\]\((docs/image\.md)#([^)]+)\)", note)
+    assert links, "no link to a section of docs/image.md"
+    image_md = (REPO / "docs" / "image.md").read_text()
+    for path, anchor in links:
+        assert anchor in anchors(image_md), f"{path}#{anchor}: no such section"
+    section = image_md.split("## Hosts without a registry, a bridge or direct TLS", 1)[1].split("\n## ", 1)[0]
+    for needed in ("network bridge not found", "--allow network.host", "PIP_CA", "--allow fs.read",
+                   "BASE_IMAGE=dsa-image-base:bookworm", "scripts/bootstrap_base_image.sh", "scripts/preflight.py"):
+        assert needed in section, needed
+    assert (REPO / "scripts" / "preflight.py").is_file()
+
+
+def test_docs_say_how_to_get_docker_and_buildx_and_the_hints_point_there():
+    image_md = (REPO / "docs" / "image.md").read_text()
+    assert "getting-docker-and-buildx" in anchors(image_md)
+    section = image_md.split("## Getting Docker and buildx", 1)[1].split("\n## ", 1)[0]
+    assert "scripts/install_docker.sh" in section and "docker buildx version" in section
+    from dsa_image import image_build
+    for link in (image_build.DOCKER_DOCS, image_build.HOST_DOCS):
+        path, anchor = link.split("#")
+        assert anchor in anchors((REPO / path).read_text()), link
+    assert "Getting Docker\n# and buildx" in (REPO / "scripts" / "install_docker.sh").read_text()
+
+
+# The files a user reads or runs: none may send them to a path on the machine this was made on.
+USER_FACING = ["README.md", "docs/image.md", "Dockerfile", "docker-bake.hcl", ".ci/run",
+               "scripts/*", "dsa_image/**/*.py"]
+
+
+def test_no_development_machine_path_in_the_files_users_read_or_run():
+    found = []
+    for pattern in USER_FACING:
+        for path in sorted(REPO.glob(pattern)):
+            if path.is_file():
+                text = path.read_text(errors="replace")
+                found += [f"{path.relative_to(REPO)}: {m.group(0)}" for m in re.finditer(r"(?<![\w.])/work/\S*|\.\./shared\S*", text)]
+    assert found == []

@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Before the first build: what this host needs, and the exact `docker buildx bake` command.
+
+    python3 scripts/preflight.py [TARGET]        (default sm120; BASE_IMAGE=... is honoured)
+
+Checks the Docker engine and buildx, whether the engine has a docker0 bridge (without one a
+default build fails with "network bridge not found"), whether the base image is here or a
+registry serves it (else a local one from scripts/bootstrap_base_image.sh), and whether HTTPS
+to PyPI is intercepted (then pip needs the host's CA bundle). Prints one line per finding,
+then the command. Nothing is built, pulled or changed. docs/image.md explains each part
+("Hosts without a registry, a bridge or direct TLS").
+
+Exit codes: 0 the printed command should work here; 1 something must be done first (listed);
+2 bad usage.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from dsa_image import image_build  # noqa: E402
+from dsa_image.recipe import load_recipe  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    recipe = load_recipe()
+    if len(argv) > 1 or (argv and (argv[0].startswith("-") or argv[0] not in [*recipe.targets, "test", "default"])):
+        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        print(f"TARGET: one of {', '.join([*recipe.targets, 'test', 'default'])}", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    target = argv[0] if argv else "sm120"
+    base = os.environ.get("BASE_IMAGE") or recipe.base_ref
+    facts = image_build.host_facts(base, repo=REPO_ROOT)
+    result = image_build.preflight_options(facts, recipe.base_ref)
+    for note in result.notes:
+        print(f"preflight: {note}")
+    for blocker in result.blockers:
+        print(f"preflight: FIRST: {blocker}")
+    print(f"\n    {image_build.bake_invocation(result.options, target)}\n")
+    if result.blockers:
+        print(f"preflight: do the FIRST steps above, then run that command ({image_build.HOST_DOCS})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,162 @@
+"""dsa_image.healthcheck: the HEALTHCHECK probes the port and host `vllm serve` was given.
+
+Runs on the host and in the image's `test` stage (stdlib, a real /proc, real sockets)."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import socket
+import socketserver
+import threading
+from pathlib import Path
+
+import pytest
+
+from dsa_image import healthcheck
+from dsa_image.healthcheck import Endpoint
+
+VLLM = ["/opt/venv/bin/python", "/opt/venv/bin/vllm", "serve"]
+
+
+@pytest.mark.parametrize("cmdline, args", [
+    ([*VLLM, "m", "--port", "9000"], ["m", "--port", "9000"]),
+    (["vllm", "serve"], []),
+    (["/usr/bin/python3", "-m", "vllm.entrypoints.cli.main", "serve", "m"], ["m"]),
+    (["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "1"], ["--model", "m", "--port", "1"]),
+    # the entrypoint before it execs, and other processes: not vLLM's server
+    (["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.entrypoint", "serve"], None),
+    (["/opt/venv/bin/python", "/opt/venv/bin/vllm", "bench", "serve"], None),
+    (["sleep", "infinity"], None),
+    ([], None),
+])
+def test_serve_args_recognises_vllm_serve_only(cmdline, args):
+    assert healthcheck.serve_args(cmdline) == args
+
+
+@pytest.mark.parametrize("args, endpoint", [
+    ([], Endpoint("http", "127.0.0.1", healthcheck.VLLM_DEFAULT_PORT)),
+    (["m", "--port", "9000"], Endpoint("http", "127.0.0.1", 9000)),
+    (["m", "--port=9000"], Endpoint("http", "127.0.0.1", 9000)),
+    (["m", "--port", "8000", "--port", "9001"], Endpoint("http", "127.0.0.1", 9001)),
+    (["m", "--host", "0.0.0.0", "--port", "9000"], Endpoint("http", "127.0.0.1", 9000)),
+    (["m", "--host=::"], Endpoint("http", "::1", healthcheck.VLLM_DEFAULT_PORT)),
+    (["m", "--host", "10.1.2.3"], Endpoint("http", "10.1.2.3", healthcheck.VLLM_DEFAULT_PORT)),
+    (["m", "--ssl_certfile", "/c.pem", "--port", "443"], Endpoint("https", "127.0.0.1", 443)),
+    (["m", "--uds", "/tmp/v.sock", "--port", "9000"], Endpoint("http", "127.0.0.1", 9000, "/tmp/v.sock")),
+    # a trailing --port without its value (vLLM refuses it): the default, not a crash
+    (["--served-model-name", "--port"], Endpoint("http", "127.0.0.1", healthcheck.VLLM_DEFAULT_PORT)),
+])
+def test_endpoint_follows_the_command_line(args, endpoint):
+    assert healthcheck.endpoint_of(args) == endpoint
+
+
+def test_endpoint_urls():
+    assert Endpoint("http", "127.0.0.1", 9000).url == "http://127.0.0.1:9000/health"
+    assert Endpoint("http", "::1", 8000).url == "http://[::1]:8000/health"
+
+
+def _fake_proc(root: Path, processes: dict[int, list[str]]) -> Path:
+    for pid, cmdline in processes.items():
+        (root / str(pid)).mkdir(parents=True)
+        (root / str(pid) / "cmdline").write_bytes(b"".join(part.encode() + b"\0" for part in cmdline))
+    (root / "self").mkdir()  # /proc has non-PID entries too
+    return root
+
+
+def test_find_server_prefers_pid_1_and_finds_vllm_under_an_init(tmp_path):
+    proc = _fake_proc(tmp_path / "a", {1: [*VLLM, "m", "--port", "1"], 30: [*VLLM, "m", "--port", "2"]})
+    assert healthcheck.find_server(proc) == ["m", "--port", "1"]
+    proc = _fake_proc(tmp_path / "b", {1: ["/sbin/docker-init", "--", "/usr/bin/env", "x"], 7: [*VLLM, "m", "--port=9000"]})
+    assert healthcheck.find_server(proc) == ["m", "--port=9000"]
+
+
+def test_find_server_says_what_runs_when_vllm_does_not(tmp_path):
+    proc = _fake_proc(tmp_path, {1: ["sleep", "infinity"]})
+    with pytest.raises(healthcheck.NoServer, match="PID 1: sleep infinity"):
+        healthcheck.find_server(proc)
+
+
+def test_read_cmdline_reads_the_real_proc():
+    assert healthcheck.read_cmdline(healthcheck.PROC / str(os.getpid()))[0].split("/")[-1].startswith("python")
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    """A /health server on a free loopback port; yields (port, handler class to set status)."""
+    handler = type("Health", (_Health,), {"status": 200})
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd.server_address[1], handler
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_probe_is_healthy_only_on_200(server):
+    port, handler = server
+    assert healthcheck.probe(Endpoint("http", "127.0.0.1", port)) is None
+    handler.status = 503
+    assert "HTTP 503" in healthcheck.probe(Endpoint("http", "127.0.0.1", port))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_probe_of_a_closed_port_says_why():
+    free = _free_port()
+    assert f"127.0.0.1:{free}/health" in healthcheck.probe(Endpoint("http", "127.0.0.1", free), timeout=2)
+
+
+def test_main_probes_the_port_vllm_was_given_not_the_default(server, tmp_path, capsys):
+    port, _ = server
+    serving_there = _fake_proc(tmp_path / "there", {1: [*VLLM, "m", "--port", str(port), "--port-unrelated", "1"]})
+    assert healthcheck.main(serving_there) == 0
+    assert f"healthy: http://127.0.0.1:{port}/health" in capsys.readouterr().out
+    # The same server, but vLLM was told another port: not healthy (the server there is not vLLM's).
+    elsewhere = _fake_proc(tmp_path / "elsewhere", {1: [*VLLM, "m", f"--port={_free_port()}"]})
+    assert healthcheck.main(elsewhere) == 1
+    assert "unhealthy: GET" in capsys.readouterr().out
+
+
+def test_main_without_vllm_is_unhealthy_and_says_why(tmp_path, capsys):
+    assert healthcheck.main(_fake_proc(tmp_path, {1: ["bash"]})) == 1
+    assert "no `vllm serve` process" in capsys.readouterr().out
+
+
+def test_main_with_a_port_that_is_no_number_is_unhealthy(tmp_path, capsys):
+    assert healthcheck.main(_fake_proc(tmp_path, {1: [*VLLM, "--port", "http"]})) == 1
+    assert "unhealthy" in capsys.readouterr().out
+
+
+def test_probe_over_vllms_unix_socket(tmp_path):
+    class UnixHealth(socketserver.UnixStreamServer):
+        def get_request(self):  # http.server wants a (host, port) client address
+            request, _ = super().get_request()
+            return request, ("local", 0)
+
+    path = str(tmp_path / "vllm.sock")
+    httpd = UnixHealth(path, type("Health", (_Health,), {"status": 200}))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = healthcheck.endpoint_of(["m", "--uds", path])
+        assert healthcheck.probe(endpoint, timeout=5) is None
+        assert path in healthcheck.probe(healthcheck.endpoint_of(["m", "--uds", path + ".gone"]), timeout=5)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
