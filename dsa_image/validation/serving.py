@@ -42,17 +42,20 @@ def prompts(vocab_size: int = 1024, seed: int = 7) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def start_server(name, site, model, port, out_dir, extra_args):
+def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
+                 max_model_len=8192, python=None, env_extra=None):
     # A HOME (compile caches) each: a DeepGEMM JIT cache reused from a server
     # that was stopped made the next one report DeepGEMM unavailable (seen on
-    # the H200, 2026-11-30).
-    home = f"/tmp/home-{name}"
+    # the H200, 2026-11-30). The benchmark and the warm-start measurement pass
+    # their own HOME to keep (or empty) one server's caches across starts.
+    home = home or f"/tmp/home-{name}"
     os.makedirs(home, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=site, HOME=home, VLLM_CACHE_ROOT=f"{home}/vllm",
-               DG_JIT_CACHE_DIR=f"{home}/deep_gemm", TRITON_CACHE_DIR=f"{home}/triton")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+               DG_JIT_CACHE_DIR=f"{home}/deep_gemm", TRITON_CACHE_DIR=f"{home}/triton",
+               **(env_extra or {}))
+    cmd = [python or sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
            "--port", str(port), "--served-model-name", SERVED_NAME,
-           "--load-format", "dummy", "--seed", "0", "--max-model-len", "8192",
+           "--load-format", "dummy", "--seed", "0", "--max-model-len", str(max_model_len),
            *extra_args]
     log = open(os.path.join(out_dir, f"server-{name}.log"), "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -112,13 +115,13 @@ def run_requests(port: int, batch: list[list[int]]) -> dict:
     return {"sequential": sequential, "concurrent": concurrent_}
 
 
-def compare(a: dict, b: dict) -> dict:
+def compare(a: dict, b: dict, lengths=PROMPT_LENGTHS) -> dict:
     """Token-for-token and logprob comparison of two servers' results."""
     token_mismatches, max_logprob_diff = [], 0.0
     for mode in ("sequential", "concurrent"):
         for i, (x, y) in enumerate(zip(a[mode], b[mode])):
             if x["token_ids"] != y["token_ids"]:
-                token_mismatches.append(f"{mode}[{i}] ({PROMPT_LENGTHS[i]} tokens)")
+                token_mismatches.append(f"{mode}[{i}] ({lengths[i]} tokens)")
             diffs = [abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])
                      if p is not None and q is not None]
             max_logprob_diff = max([max_logprob_diff, *diffs])

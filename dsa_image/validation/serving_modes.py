@@ -1,0 +1,433 @@
+"""Stock vLLM against the overlay, served the way GLM-5 deployments run: MTP, long context, fp8 KV.
+
+MTP speculative decoding, long context and the fp8 KV cache, with CUDA graphs on (default flags).
+
+Each mode starts one stock and one overlay server (all modes' servers at once, side by side on
+one GPU, each with its own HOME and the same fixed KV-cache size), sends each server the same
+greedy requests, one by one and then as one batch, and compares the token ids and logprobs.
+The modes and the overlay paths they serve:
+
+    mtp1           MTP, 1 speculative token: next_n=2, the indexer's native decode path
+    mtp3           MTP, 3 speculative tokens: next_n=4, the flattened decode path on sm_90
+    fp8            the fp8 KV cache (fp8_ds_mla, the one FLASHMLA_SPARSE takes on sm_90)
+    long-bf16      max_model_len 65536, prompts of 20k-65k tokens: wide block tables,
+                   several prefill chunks
+    long-fp8       the same with the fp8 KV cache
+    long-fp8-mtp3  the deployment combination: 65536, fp8 KV cache, MTP with 3 tokens
+
+Also reported per server: the decode path, KV-cache format and block-table growth vLLM logged,
+the draft acceptance counters of /metrics (which must agree: the draft layer runs the indexer
+too), and the Triton kernels JIT-compiled during inference.
+
+Stdlib only. Usage:
+    python -m dsa_image.validation.serving_modes --modes mtp1,mtp3 --model DIR --mtp-model DIR \\
+        --stock-site S --overlay-site O --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dsa_image.validation import serving
+
+SHORT_PROMPTS = serving.PROMPT_LENGTHS
+# 65400 + 32 output tokens ends 104 tokens short of 65536: the widest block-table row a
+# request can reach.
+LONG_PROMPTS = (20, 3000, 20000, 33000, 47000, 60000, 65400)
+LONG_MAX_MODEL_LEN = 65536
+# What vLLM 0.24.0 stores for --kv-cache-dtype fp8 with FLASHMLA_SPARSE (sm_90); named here
+# exactly, since "fp8" is only an alias there (mla_attention.py, flashmla_sparse.py).
+FP8_KV = "fp8_ds_mla"
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    model: str  # "base": the tiny GLM-5; "mtp": the tiny GLM-5 with its MTP layer
+    max_model_len: int
+    prompt_lengths: tuple[int, ...]
+    max_tokens: int
+    spec_tokens: int = 0
+    kv_cache_dtype: str = "auto"
+
+    def server_args(self) -> list[str]:
+        args = ["--kv-cache-dtype", self.kv_cache_dtype]
+        if self.spec_tokens:
+            args += ["--speculative-config",
+                     json.dumps({"method": "mtp", "num_speculative_tokens": self.spec_tokens})]
+        return args
+
+
+# MTP modes decode 64 tokens: enough steps for the draft counters to mean something.
+MODES = {m.name: m for m in (
+    Mode("mtp1", "mtp", 8192, SHORT_PROMPTS, 64, spec_tokens=1),
+    Mode("mtp3", "mtp", 8192, SHORT_PROMPTS, 64, spec_tokens=3),
+    Mode("fp8", "base", 8192, SHORT_PROMPTS, 24, kv_cache_dtype=FP8_KV),
+    Mode("long-bf16", "base", LONG_MAX_MODEL_LEN, LONG_PROMPTS, 32),
+    Mode("long-fp8", "base", LONG_MAX_MODEL_LEN, LONG_PROMPTS, 32, kv_cache_dtype=FP8_KV),
+    Mode("long-fp8-mtp3", "mtp", LONG_MAX_MODEL_LEN, LONG_PROMPTS, 32, spec_tokens=3, kv_cache_dtype=FP8_KV),
+)}
+
+
+# -- models and prompts -------------------------------------------------------------------------
+
+
+def long_context_model(source: Path, target: Path, max_len: int) -> Path:
+    """A copy of a model directory that allows `max_len` tokens.
+
+    vLLM caps max_model_len at config.json's max_position_embeddings and at tokenizer_config's
+    model_max_length (config/model.py, _get_and_verify_max_len): raising the first alone with
+    --hf-overrides still fails on the second. The rotary cache is sized from the first, so a
+    position past it is never read."""
+    source, target = Path(source), Path(target)
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging)
+    _set_json(staging / "config.json", "max_position_embeddings", max_len)
+    if (staging / "tokenizer_config.json").is_file():
+        _set_json(staging / "tokenizer_config.json", "model_max_length", max_len)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    return target
+
+
+def _set_json(path: Path, key: str, value) -> None:
+    doc = json.loads(path.read_text())
+    doc[key] = value
+    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+
+
+def model_prompt_ids(token_ids: list[int], length: int, seed_key: str) -> list[int]:
+    """`length` ids drawn from `token_ids`; the same key gives the same prompt anywhere
+    (random.Random seeds a str from its sha512, not from Python's salted hash)."""
+    rng = random.Random(seed_key)
+    return [rng.choice(token_ids) for _ in range(length)]
+
+
+def prompt_token_ids(model_dir: str | Path) -> list[int]:
+    """Ids a prompt may use: the model's vocabulary without its special tokens."""
+    model = Path(model_dir)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    special: set[int] = set()
+    tokenizer_config = model / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        special = {int(i) for i in json.loads(tokenizer_config.read_text()).get("added_tokens_decoder", {})}
+    return [i for i in range(vocab) if i not in special]
+
+
+def mode_prompts(mode: Mode, token_ids: list[int], batch: str) -> list[list[int]]:
+    """The mode's prompts; the batch sent at once gets other ones than the requests sent one by
+    one, so that its long prompts are prefilled again instead of found in the prefix cache."""
+    return [model_prompt_ids(token_ids, n, f"serving-modes:{mode.name}:{batch}:{i}")
+            for i, n in enumerate(mode.prompt_lengths)]
+
+
+# -- speculative-decoding counters (vLLM's /metrics) --------------------------------------------
+
+# vllm/v1/spec_decode/metrics.py (vLLM 0.24.0): prometheus counters, exposed with `_total`.
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
+}
+SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+_SAMPLE_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{([^}]*)\})?\s+(\S+)')
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+def parse_spec_counters(text: str) -> dict | None:
+    """The spec-decode counters, summed over engines; None when the server has none."""
+    names = {name: key for key, name in SPEC_COUNTERS.items()}
+    totals = {key: 0.0 for key in SPEC_COUNTERS}
+    per_position: dict[int, float] = {}
+    found = False
+    for line in text.splitlines():
+        match = _SAMPLE_LINE.match(line)
+        if not match:
+            continue
+        name, labels, value = match.group(1), match.group(3) or "", float(match.group(4))
+        if name in names:
+            totals[names[name]] += value
+            found = True
+        elif name == SPEC_PER_POSITION and (pos := _POSITION.search(labels)):
+            per_position[int(pos.group(1))] = per_position.get(int(pos.group(1)), 0.0) + value
+    if not found:
+        return None
+    totals["accepted_per_position"] = [per_position[p] for p in sorted(per_position)]
+    return totals
+
+
+def scrape_spec_counters(port: int, host: str = "127.0.0.1") -> dict | None:
+    connection = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        body = response.read().decode(errors="replace")
+        return parse_spec_counters(body) if response.status == 200 else None
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        connection.close()
+
+
+def settled_spec_counters(port: int, pause_s: float = 0.5, attempts: int = 10) -> dict | None:
+    """The counters once two reads agree: vLLM's API server records a step's statistics after
+    it has sent that step's tokens, so a read right after the last response can miss them."""
+    last = scrape_spec_counters(port)
+    for _ in range(attempts if last is not None else 0):
+        time.sleep(pause_s)
+        now = scrape_spec_counters(port)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def counter_delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    delta = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    positions = after["accepted_per_position"]
+    earlier = before["accepted_per_position"] + [0.0] * len(positions)
+    delta["accepted_per_position"] = [p - earlier[i] for i, p in enumerate(positions)]
+    return delta
+
+
+def acceptance(delta: dict | None) -> dict | None:
+    """Acceptance rate (accepted / draft tokens) and mean acceptance length (1 + accepted /
+    drafts, the bonus token included), as vLLM's metrics documentation defines them."""
+    if not delta or not delta.get("draft_tokens"):
+        return None
+    drafts = delta["drafts"] or float("nan")
+    return {**delta, "acceptance_rate": delta["accepted_tokens"] / delta["draft_tokens"],
+            "mean_acceptance_length": 1.0 + delta["accepted_tokens"] / drafts,
+            "per_position_rate": [p / drafts for p in delta["accepted_per_position"]]}
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+def complete_batch(port: int, prompts: list[list[int]], max_tokens: int, timeout: float = 900) -> list[dict]:
+    """One completion request for all `prompts` (they reach the engine together), greedy."""
+    body = json.dumps({"model": serving.SERVED_NAME, "prompt": prompts, "max_tokens": max_tokens,
+                       "temperature": 0.0, "logprobs": 1, "return_token_ids": True,
+                       "ignore_eos": True}).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        raw = response.read()
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise RuntimeError(f"port {port}: HTTP {response.status}: {raw[:500]!r}")
+    choices = sorted(json.loads(raw)["choices"], key=lambda c: c["index"])
+    return [{"token_ids": c.get("token_ids"), "logprobs": c["logprobs"]["token_logprobs"],
+             "text": c["text"]} for c in choices]
+
+
+def run_mode_requests(port: int, prompts: dict[str, list[list[int]]], max_tokens: int) -> dict:
+    sequential = [complete_batch(port, [p], max_tokens)[0] for p in prompts["sequential"]]
+    return {"sequential": sequential, "concurrent": complete_batch(port, prompts["concurrent"], max_tokens)}
+
+
+# -- what the server logged ---------------------------------------------------------------------
+
+LOG_FACTS = {
+    "decode_path": re.compile(r"DSA indexer decode path: (.*)"),
+    "kv_cache_format": re.compile(r"Using (\S+) KV cache format"),
+    "block_table_growth": re.compile(r"DSA indexer: growing the expanded block table (.*)"),
+    "attention_backend": re.compile(r"Using (\S+) attention backend"),
+    "errors": re.compile(r"((?:\w+Error|\w+Exception): .*)"),
+}
+
+
+def log_facts(log_path: str) -> dict:
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    facts = {name: sorted(set(pattern.findall(text))) for name, pattern in LOG_FACTS.items()}
+    facts["errors"] = facts["errors"][:10]
+    return facts
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+def wait_each_healthy(servers: list[dict], deadline: float, poll_s: float = 1.0) -> dict[str, float | str]:
+    """Seconds from start to healthy per server, or "error: ..." for one that exited or was
+    late. Unlike serving.wait_all_healthy, one server failing (a build that cannot start in a
+    mode) does not stop the others from being waited for and used."""
+    status: dict[str, float | str] = {}
+    while True:
+        for server in (s for s in servers if s["name"] not in status):
+            try:
+                if serving.is_healthy(server):
+                    status[server["name"]] = round(time.monotonic() - server["started"], 1)
+            except RuntimeError as exc:  # the process exited
+                status[server["name"]] = f"error: {exc}"
+        if len(status) == len(servers) or time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    for server in servers:
+        status.setdefault(server["name"], f"error: not healthy in time; see {server['log']}")
+    return status
+
+
+def model_for(mode: Mode, args, work_dir: Path) -> str:
+    source = args.mtp_model if mode.model == "mtp" else args.model
+    if not source:
+        raise SystemExit(f"mode {mode.name} needs --mtp-model DIR (the tiny GLM-5 with its MTP layer)")
+    limit = json.loads((Path(source) / "config.json").read_text()).get("max_position_embeddings", 0)
+    if mode.max_model_len <= limit:
+        return source
+    return str(long_context_model(Path(source), work_dir / f"model-{mode.model}-{mode.max_model_len}",
+                                  mode.max_model_len))
+
+
+def start_mode(mode: Mode, model: str, index: int, args, work_dir: Path, out_dir: Path) -> dict:
+    common = [*mode.server_args(), "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
+              "--gpu-memory-utilization", str(args.gpu_memory_utilization), *shlex.split(args.server_args)]
+    servers = {}
+    for offset, (side, site) in enumerate((("stock", args.stock_site), ("overlay", args.overlay_site))):
+        name = f"{mode.name}-{side}"
+        servers[side] = serving.start_server(name, site, model, args.port_base + 2 * index + offset,
+                                             str(out_dir), common, home=str(work_dir / f"home-{name}"),
+                                             max_model_len=mode.max_model_len)
+    return {"mode": mode, "model": model, "servers": servers}
+
+
+def exercise(run: dict) -> dict:
+    """Stock first, then the overlay, never both at once: each server has the GPU to itself."""
+    mode = run["mode"]
+    token_ids = prompt_token_ids(run["model"])
+    prompts = {batch: mode_prompts(mode, token_ids, batch) for batch in ("sequential", "concurrent")}
+    results, report = {}, {"prompt_lengths": list(mode.prompt_lengths), "max_tokens": mode.max_tokens,
+                           "request_time_s": {}, "spec_decode": {}}
+    for side, server in run["servers"].items():
+        before = settled_spec_counters(server["port"])
+        t0 = time.monotonic()
+        results[side] = run_mode_requests(server["port"], prompts, mode.max_tokens)
+        report["request_time_s"][side] = round(time.monotonic() - t0, 2)
+        report["spec_decode"][side] = acceptance(counter_delta(before, settled_spec_counters(server["port"])))
+    report["stock_vs_overlay"] = serving.compare(results["stock"], results["overlay"], mode.prompt_lengths)
+    report["empty_text"] = [side for side, r in results.items() if any(not c["text"] for m in r.values() for c in m)]
+    report["sample_tokens"] = {side: r["sequential"][-1]["token_ids"][:16] for side, r in results.items()}
+    return report
+
+
+def spec_agrees(spec: dict) -> bool | None:
+    """Both sides' draft counters equal (None: no speculative decoding)."""
+    stock, overlay = spec.get("stock"), spec.get("overlay")
+    if stock is None and overlay is None:
+        return None
+    keys = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_position")
+    return bool(stock and overlay) and all(stock[k] == overlay[k] for k in keys)
+
+
+def mode_ok(mode: Mode, report: dict) -> bool:
+    if "error" in report or report.get("empty_text"):
+        return False
+    if not report.get("stock_vs_overlay", {}).get("identical_tokens"):
+        return False
+    # With MTP the draft layer runs the indexer too: its counters must match, and exist.
+    return report.get("spec_decode_agrees") is True if mode.spec_tokens else True
+
+
+def run_modes(runs: list[dict], args) -> dict:
+    servers = [s for r in runs for s in r["servers"].values()]
+    reports = {r["mode"].name: {"mode": asdict(r["mode"]), "model": r["model"],
+                                "server_args": r["mode"].server_args()} for r in runs}
+    healthy = wait_each_healthy(servers, time.monotonic() + args.timeout)
+    for r in runs:
+        report = reports[r["mode"].name]
+        report["healthy_after_s"] = {side: healthy[s["name"]] for side, s in r["servers"].items()}
+        failed = {side: h for side, h in report["healthy_after_s"].items() if isinstance(h, str)}
+        if failed:
+            report["error"] = f"not served: {failed}"
+            continue
+        try:
+            report.update(exercise(r))
+            report["spec_decode_agrees"] = spec_agrees(report["spec_decode"])
+        except Exception as exc:  # noqa: BLE001 - one mode failing must not hide the others
+            report["error"] = f"{type(exc).__name__}: {exc}"
+    return reports
+
+
+def stop_all(runs: list[dict]) -> None:
+    for r in runs:
+        for server in r["servers"].values():
+            serving.stop(server)
+
+
+def annotate(runs: list[dict], reports: dict) -> None:
+    """What each server logged, read once it has stopped; then each mode's verdict."""
+    for r in runs:
+        report = reports[r["mode"].name]
+        report["server_logs"] = {side: os.path.basename(s["log"]) for side, s in r["servers"].items()}
+        report["logged"] = {side: log_facts(s["log"]) for side, s in r["servers"].items()}
+        report["jit_during_inference"] = {side: serving.jit_kernels_during_inference(s["log"])
+                                          for side, s in r["servers"].items()}
+        report["ok"] = mode_ok(r["mode"], report)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", required=True, help=f"comma-separated, of: {', '.join(MODES)}")
+    parser.add_argument("--model", required=True, help="the tiny GLM-5 (scripts/make_tiny_model.py)")
+    parser.add_argument("--mtp-model", help="the tiny GLM-5 with its MTP layer (for the MTP modes)")
+    parser.add_argument("--stock-site", required=True)
+    parser.add_argument("--overlay-site", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work-dir", help="servers' HOMEs and derived models (default: OUT/work)")
+    parser.add_argument("--port-base", type=int, default=8300)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds for all servers to become healthy")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.2,
+                        help="only vLLM's start-up check of free memory reads it (the KV cache size is fixed)")
+    parser.add_argument("--server-args", default="", help="more vllm serve arguments, one string")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out_dir = Path(args.out)
+    work_dir = Path(args.work_dir or out_dir / "work")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    # Every model first: a missing one stops the run before any server starts.
+    chosen = [(MODES[m], model_for(MODES[m], args, work_dir)) for m in args.modes.split(",")]
+    runs: list[dict] = []
+    try:
+        for i, (mode, model) in enumerate(chosen):
+            runs.append(start_mode(mode, model, i, args, work_dir, out_dir))
+        reports = run_modes(runs, args)
+    finally:
+        stop_all(runs)
+    annotate(runs, reports)
+    doc = {"modes": reports, "ok": all(r["ok"] for r in reports.values())}
+    (out_dir / "serving-modes.json").write_text(json.dumps(doc, indent=1) + "\n")
+    for name, report in reports.items():
+        short = {k: v for k, v in report.items() if k not in ("sample_tokens", "logged", "mode")}
+        print(name, json.dumps(short, indent=1))
+        print(f"{name}: {'PASS' if report['ok'] else 'FAIL'}")
+    print("SERVING MODES:", "PASS" if doc["ok"] else "FAIL")
+    return 0 if doc["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Warm start, measured: time to healthy, and the first request after it against warm ones.
+
+Start-to-healthy with empty and with warm compile caches, and the first 3,000-token request
+after healthy against the same request once warm, with and without the image's warm-up
+(dsa_image.warmup).
+
+Each step starts one server per side (stock and/or overlay, side by side, each with its own
+HOME, which holds every compile cache and is kept from step to step), waits for /health, runs
+the warm-up when the step says so, then sends per side, one side at a time: one fresh
+3,000-token request (the first) and five more (warm). The Triton kernels vLLM's JIT monitor
+logs (verbose: every compile, with its key) and the DeepGEMM compiler runs are split into those
+before healthy, during the warm-up and during the first request.
+
+    cold          empty caches, no warm-up        (what a first `docker run` did)
+    cold-warmup   empty caches, then the warm-up  (a first run of the image)
+    warm          warm caches, no warm-up         (a restart with the cache volume, no warm-up)
+    warm-warmup   warm caches, then the warm-up   (a restart of the image with the volume)
+
+Two calls of under ten minutes on the H200: --steps cold,warm-warmup and --steps
+cold-warmup,warm. Goal: the first request within 2x the warm latency.
+
+Stdlib only. Usage:
+    python -m dsa_image.validation.warmstart --model DIR --stock-site S --overlay-site O \\
+        --out DIR --steps cold,warm-warmup
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from dsa_image import warmup
+from dsa_image.bench import stream_completion
+from dsa_image.validation import serving
+from dsa_image.validation.serving_modes import model_prompt_ids, prompt_token_ids
+
+STEPS = {  # name: (empty the caches first, run the warm-up)
+    "cold": (True, False),
+    "cold-warmup": (True, True),
+    "warm": (False, False),
+    "warm-warmup": (False, True),
+}
+FIRST_PROMPT_TOKENS = 3000  # the smoke test's long prompt, the issue's first request
+MAX_TOKENS = 16
+WARM_REQUESTS = 5
+GOAL_FACTOR = 2.0
+TRITON_JIT = re.compile(r"JIT compilation during inference: (\w+)")
+DEEPGEMM_NVCC = re.compile(r"Running NVCC command")
+
+
+def log_size(server: dict) -> int:
+    # vLLM's processes write their own lines; a moment lets the last ones reach the file.
+    time.sleep(1.0)
+    return os.path.getsize(server["log"])
+
+
+def log_slice(server: dict, start: int, end: int | None = None) -> dict:
+    """The compilations logged between two offsets of the server log."""
+    with open(server["log"], "rb") as f:
+        f.seek(start)
+        text = f.read(None if end is None else end - start).decode(errors="replace")
+    kernels = TRITON_JIT.findall(text)
+    return {"triton_jit": {k: kernels.count(k) for k in sorted(set(kernels))},
+            "deepgemm_nvcc_runs": len(DEEPGEMM_NVCC.findall(text))}
+
+
+DEEPGEMM_LINE = re.compile(r"(?i)[^\n]*deep_?gemm[^\n]*")
+
+
+def deepgemm_lines(log_path: str, limit: int = 8) -> list[str]:
+    """What the server said about DeepGEMM, compiler runs aside: on the H200 a DeepGEMM cache
+    left by a stopped server once made the next one report DeepGEMM unavailable, and a warm
+    cache volume must not do that."""
+    with open(log_path, errors="replace") as f:
+        lines = [m.group(0).strip() for m in DEEPGEMM_LINE.finditer(f.read()) if "Running NVCC command" not in m.group(0)]
+    # The message after the logger's prefix, once each, in order.
+    unique = list(dict.fromkeys(re.sub(r"^.*?\] ", "", line) for line in lines))
+    return unique[:limit]
+
+
+def cache_sizes(home: Path) -> dict:
+    """MiB per directory two levels under HOME: which caches a start filled."""
+    sizes = {}
+    for top in sorted(p for p in home.glob("*") if p.is_dir()):
+        for sub in sorted(p for p in [top, *top.glob("*")] if p.is_dir()):
+            total = sum(f.stat().st_size for f in sub.rglob("*") if f.is_file())
+            sizes[str(sub.relative_to(home))] = round(total / 2**20, 1)
+    return sizes
+
+
+def request_3000(port: int, token_ids: list[int], key: str) -> dict:
+    prompt = model_prompt_ids(token_ids, FIRST_PROMPT_TOKENS, f"warmstart:{key}")
+    sample = stream_completion(port, serving.SERVED_NAME, prompt, MAX_TOKENS)
+    if sample.error:
+        raise RuntimeError(f"3,000-token request on port {port}: {sample.error}")
+    return {"latency_s": round(sample.end - sample.start, 4), "ttft_s": round(sample.ttft, 4)}
+
+
+def measure_side(server: dict, step: str, run_warmup: bool, token_ids: list[int]) -> dict:
+    """Warm-up (if asked), the first request, then the warm ones; compilations between."""
+    result, healthy_at = {}, log_size(server)
+    if run_warmup:
+        endpoint = warmup.Endpoint(f"http://127.0.0.1:{server['port']}")
+        report = warmup.warm(endpoint, warmup.Settings(), lambda line: None)
+        result["warmup"] = {"seconds": report["seconds"], "steps": report["steps"]}
+    ready_at = log_size(server)
+    result["first"] = request_3000(server["port"], token_ids, f"{step}:{server['name']}:first")
+    first_done = log_size(server)
+    warm = [request_3000(server["port"], token_ids, f"{step}:{server['name']}:warm{i}") for i in range(WARM_REQUESTS)]
+    result["warm_latency_s"] = statistics.median(w["latency_s"] for w in warm)
+    result["warm"] = warm
+    result["first_over_warm"] = round(result["first"]["latency_s"] / result["warm_latency_s"], 2)
+    result["goal_met"] = result["first"]["latency_s"] <= GOAL_FACTOR * result["warm_latency_s"]
+    result["compiled"] = {"before_healthy": log_slice(server, 0, healthy_at),
+                          "during_warmup": log_slice(server, healthy_at, ready_at),
+                          "during_first_request": log_slice(server, ready_at, first_done),
+                          "during_warm_requests": log_slice(server, first_done)}
+    return result
+
+
+def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Path) -> dict:
+    empty_first, run_warmup = STEPS[step]
+    homes = {side: work_dir / f"home-{side}" for side in sides}
+    if empty_first:
+        for home in homes.values():
+            shutil.rmtree(home, ignore_errors=True)
+    server_args = ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes), "--gpu-memory-utilization",
+                   str(args.gpu_memory_utilization), "--jit-monitor-verbose", *shlex.split(args.server_args)]
+    servers = [serving.start_server(f"{step}-{side}", site, args.model, args.port_base + i, str(out_dir),
+                                    server_args, home=str(homes[side]), env_extra={
+                                        "DG_JIT_PRINT_COMPILER_COMMAND": "1", "PYTHONUNBUFFERED": "1"})
+               for i, (side, site) in enumerate(sides.items())]
+    report = {"empty_caches_at_start": empty_first, "warmup": run_warmup, "sides": {}}
+    try:
+        healthy = serving.wait_all_healthy(servers, time.monotonic() + args.timeout)
+        token_ids = prompt_token_ids(args.model)
+        for side, server in zip(sides, servers):
+            side_report = measure_side(server, step, run_warmup, token_ids)
+            side_report["healthy_after_s"] = healthy[server["name"]]
+            ready = healthy[server["name"]] + side_report.get("warmup", {}).get("seconds", 0.0)
+            side_report["ready_after_s"] = round(ready, 1)
+            report["sides"][side] = side_report
+    except Exception as exc:  # noqa: BLE001 - recorded; the servers stop and the next step runs
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for server in servers:
+            serving.stop(server)
+    for side, server in zip(sides, servers):
+        report["sides"].setdefault(side, {})["server_log"] = os.path.basename(server["log"])
+        report["sides"][side]["cache_mib"] = cache_sizes(homes[side])
+        report["sides"][side]["deepgemm_log"] = deepgemm_lines(server["log"])
+    return report
+
+
+def summary_lines(doc: dict) -> list[str]:
+    lines = []
+    for step, report in doc["steps"].items():
+        for side, r in report.get("sides", {}).items():
+            if "first" not in r:
+                continue
+            compiled = r["compiled"]["during_first_request"]
+            lines.append(f"{step:<12} {side:<8} healthy {r['healthy_after_s']:>6.1f} s  ready {r['ready_after_s']:>6.1f} s  "
+                         f"first {r['first']['latency_s']:.3f} s  warm {r['warm_latency_s']:.3f} s  "
+                         f"x{r['first_over_warm']:<6} goal {'met' if r['goal_met'] else 'MISSED'}  "
+                         f"compiled in first: {sorted(compiled['triton_jit']) or '-'}"
+                         f"{', DeepGEMM x%d' % compiled['deepgemm_nvcc_runs'] if compiled['deepgemm_nvcc_runs'] else ''}")
+    return lines
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--stock-site")
+    parser.add_argument("--overlay-site", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--work-dir", help="the servers' HOMEs, kept between steps and calls (default: OUT/work)")
+    parser.add_argument("--steps", default="cold,warm-warmup", help=f"comma-separated, of: {', '.join(STEPS)}")
+    parser.add_argument("--port-base", type=int, default=8400)
+    parser.add_argument("--timeout", type=float, default=480, help="seconds for the servers to become healthy")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--server-args", default="", help="more vllm serve arguments, one string")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.steps.split(",") if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown steps {unknown}; known: {', '.join(STEPS)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out_dir = Path(args.out)
+    work_dir = Path(args.work_dir or out_dir / "work")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The image keeps vLLM's compile cache (~/.cache/vllm); a warm start means nothing without it.
+    disabled = os.environ.pop("VLLM_DISABLE_COMPILE_CACHE", None)
+    sides = {k: v for k, v in (("stock", args.stock_site), ("overlay", args.overlay_site)) if v}
+    doc = {"first_prompt_tokens": FIRST_PROMPT_TOKENS, "max_tokens": MAX_TOKENS, "warm_requests": WARM_REQUESTS,
+           "goal": f"first request <= {GOAL_FACTOR}x the median warm latency",
+           "warmup_plan_8192": [s.name for s in warmup.plan_steps(8192)],
+           "compile_cache_env_removed": disabled, "steps": {}}
+    path = out_dir / "warmstart.json"
+    for step in args.steps.split(","):
+        doc["steps"][step] = run_step(step, args, sides, work_dir, out_dir)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+    print("\n".join(summary_lines(doc)))
+    errors = {s: r["error"] for s, r in doc["steps"].items() if "error" in r}
+    print(json.dumps({"errors": errors}) if errors else f"results: {path}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,475 @@
+"""Healthy only when warm: vLLM as a child, warmed up, then a readiness marker for the HEALTHCHECK.
+
+The supervisor runs `vllm serve` as a child, sends it the requests whose kernels would otherwise
+compile during the first users' requests, then writes a readiness marker that the image's
+HEALTHCHECK requires.
+
+vLLM answers /health as soon as it listens, but on the H200 the first 3,000-token request after
+that still took 3.8 s (overlay) / 4.9 s (stock) against 0.07 s warm: Triton compiled
+`_compute_slot_mapping_kernel` and `fused_moe_kernel` for shapes the start-up never ran. The
+warm-up runs those shapes: prefills above the indexer's top-k (2,048), one of them long where
+max_model_len allows, decode batches at the concurrencies served, greedy and sampled, and a
+mixed prefill+decode batch. With MTP configured every decode step is speculative, so the same
+requests warm the draft path.
+
+    python -m dsa_image.warmup supervise [--marker PATH] -- vllm serve MODEL [FLAGS...]
+    python -m dsa_image.warmup run --url http://127.0.0.1:8000      # warm a running server
+    python -m dsa_image.warmup check --pid PID                      # the marker check alone
+
+The marker names the server process (pid, start time, boot id), so a marker left by an earlier
+server (a restarted container, a shared /dev/shm under --ipc=host) never counts. The server gets
+its path in DSA_IMAGE_WARM_MARKER; a health check finds it there, in /proc/PID/environ, so a
+server started without the supervisor is judged by /health alone.
+
+Environment: DSA_IMAGE_WARMUP=0 skips the requests (the marker follows /health);
+DSA_IMAGE_WARMUP_PREFILL (default 2049,2050,2052,2056,4096), DSA_IMAGE_WARMUP_CONCURRENCY (default 1,8,32),
+DSA_IMAGE_WARMUP_TIMEOUT_S (default 1800, the requests' budget). Stdlib only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+MARKER_ENV = "DSA_IMAGE_WARM_MARKER"
+PROC = Path("/proc")
+# Ids every tokenizer of a real model has as ordinary tokens (the tiny GLM-5's specials are
+# 0..7); a token-id prompt needs no tokenizer round trip and has an exact length.
+PROMPT_IDS = range(100, 1000)
+# Prefills past the indexer's top-k (2,048), which it scores. Triton compiles a kernel once per
+# pattern of its integer arguments being divisible by 16 (or equal to 1), and a token count
+# reaches kernels multiplied by 1, 2, 4 or 8 (MoE top-k): its power of two decides. These five
+# have 2^0 .. 2^3 and >= 2^4 in them, so any prompt length falls in a pattern already compiled.
+DEFAULT_PREFILL = (2049, 2050, 2052, 2056, 4096)
+DEFAULT_CONCURRENCY = (1, 8, 32)
+LONG_PREFILL_FROM = 16384  # max_model_len from which one long prefill (several chunks) is sent
+LONG_PREFILL_MAX = 32768
+DECODE_TOKENS = 16
+SAMPLED = {"temperature": 0.7, "top_p": 0.9, "top_k": 40}
+
+
+class WarmupError(Exception):
+    """The server did not answer a warm-up request as it should."""
+
+
+# -- where the server listens -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str  # http(s)://host:port; for --uds, http+unix://PATH (shown only)
+    api_key: str | None = None
+    uds: str | None = None  # vLLM's --uds: a Unix socket instead of host and port
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of --name (the last one wins, as in argparse); vLLM takes _ for -."""
+    value = None
+    for i, arg in enumerate(args):
+        flag, eq, inline = arg.partition("=")
+        if flag.startswith("--") and flag.replace("_", "-") == name:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def serve_endpoint(argv: list[str], environ: dict[str, str]) -> Endpoint:
+    """Where `vllm serve ARGV` listens, from its flags (defaults: vLLM's own, port 8000)."""
+    api_key = _flag(argv, "--api-key") or environ.get("VLLM_API_KEY")
+    uds = _flag(argv, "--uds")
+    if uds:
+        return Endpoint(f"http+unix://{uds}", api_key, uds)
+    host = _flag(argv, "--host") or "127.0.0.1"
+    # A wildcard address listens on loopback too.
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    host = f"[{host}]" if ":" in host else host
+    scheme = "https" if _flag(argv, "--ssl-certfile") else "http"
+    return Endpoint(f"{scheme}://{host}:{_flag(argv, '--port') or '8000'}", api_key)
+
+
+# -- HTTP ---------------------------------------------------------------------------------------
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def _connection(endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
+    if endpoint.uds:
+        return _UnixHTTPConnection(endpoint.uds, timeout)
+    url = urllib.parse.urlsplit(endpoint.base_url)
+    if url.scheme == "https":
+        # Our own server on loopback: its certificate names a public host, not 127.0.0.1.
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        return http.client.HTTPSConnection(url.hostname, url.port, timeout=timeout, context=context)
+    return http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+
+
+def _request(endpoint: Endpoint, path: str, payload=None, timeout: float = 600.0) -> tuple[int, bytes]:
+    """(status, body); raises OSError / HTTPException when nothing answers."""
+    headers = {"Content-Type": "application/json"}
+    if endpoint.api_key:
+        headers["Authorization"] = f"Bearer {endpoint.api_key}"
+    connection = _connection(endpoint, timeout)
+    try:
+        body = None if payload is None else json.dumps(payload).encode()
+        connection.request("GET" if body is None else "POST", path, body, headers)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def is_healthy(endpoint: Endpoint) -> bool:
+    try:
+        return _request(endpoint, "/health", timeout=5)[0] == 200
+    except (OSError, http.client.HTTPException):
+        return False
+
+
+def wait_healthy(endpoint: Endpoint, alive: Callable[[], bool], deadline: float, poll_s: float = 1.0) -> bool:
+    """True once /health answers 200; False when the server died or the deadline passed."""
+    while alive() and time.monotonic() < deadline:
+        if is_healthy(endpoint):
+            return True
+        time.sleep(poll_s)
+    return False
+
+
+def served_model(endpoint: Endpoint) -> tuple[str, int | None]:
+    """The first served model's name and max_model_len (vLLM's /v1/models carries both)."""
+    try:
+        status, body = _request(endpoint, "/v1/models", timeout=30)
+    except (OSError, http.client.HTTPException) as exc:
+        raise WarmupError(f"GET /v1/models: {exc}") from None
+    if status != 200:
+        raise WarmupError(f"GET /v1/models: HTTP {status}: {body[:300]!r}")
+    model = json.loads(body)["data"][0]
+    return model["id"], model.get("max_model_len")
+
+
+# -- what to send -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_len: int
+    max_tokens: int
+    sampling: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Requests sent at once: the batch the server sees while they run."""
+
+    name: str
+    requests: tuple[Request, ...]
+
+
+def decode_batch(concurrency: int, sampled: bool) -> tuple[Request, ...]:
+    # One more token each: the requests end one step apart, so the batch passes through every
+    # size from `concurrency` down to 1, as a server's running batch does.
+    return tuple(Request(61 + i, DECODE_TOKENS + i, SAMPLED if sampled and i % 2 == 0 else {})
+                 for i in range(concurrency))
+
+
+def plan_steps(max_model_len: int | None, prefill: tuple[int, ...] = DEFAULT_PREFILL,
+               concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY) -> list[Step]:
+    """The warm-up requests for a server of this max_model_len (None: unknown, taken as 8192)."""
+    limit = (max_model_len or 8192) - DECODE_TOKENS - max(concurrency, default=1)
+    steps = [Step(f"prefill-{n}", (Request(n, 4),)) for n in prefill if n <= limit]
+    if (max_model_len or 0) >= LONG_PREFILL_FROM:
+        n = min(LONG_PREFILL_MAX, max_model_len // 2)
+        steps.append(Step(f"long-prefill-{n}", (Request(n, 4),)))
+    steps.append(Step("decode-c1-sampled", decode_batch(1, sampled=True)))
+    steps += [Step(f"decode-c{c}", decode_batch(c, sampled=c > 1)) for c in concurrency]
+    mixed_prefill = min((n for n in prefill if n <= limit), default=None)
+    if mixed_prefill:
+        steps.append(Step(f"mixed-prefill-{mixed_prefill}+decode-c7",
+                          (Request(mixed_prefill, DECODE_TOKENS), *decode_batch(7, sampled=True))))
+    return steps
+
+
+def prompt_ids(length: int, key: str) -> list[int]:
+    # A new prompt per request: a prefix-cache hit would skip the prefill it is meant to run.
+    rng = random.Random(f"dsa-image-warmup:{key}")
+    return [rng.choice(PROMPT_IDS) for _ in range(length)]
+
+
+def send(endpoint: Endpoint, model: str, request: Request, key: str, timeout: float) -> int:
+    """One completion; the number of tokens it produced (ignore_eos: max_tokens unless broken)."""
+    payload = {"model": model, "prompt": prompt_ids(request.prompt_len, key), "max_tokens": request.max_tokens,
+               "ignore_eos": True, "temperature": 0.0, **request.sampling}
+    if request.sampling:
+        payload["logprobs"] = 1  # the logprobs path, on the sampled requests
+    try:
+        status, body = _request(endpoint, "/v1/completions", payload, timeout)
+    except TimeoutError:  # the timeout is what was left of the warm-up's budget
+        raise WarmupError(f"out of time ({timeout:.0f} s left)") from None
+    except (OSError, http.client.HTTPException) as exc:
+        raise WarmupError(f"no answer: {exc}") from None
+    if status != 200:
+        raise WarmupError(f"HTTP {status}: {body[:300]!r}")
+    produced = json.loads(body).get("usage", {}).get("completion_tokens")
+    if produced != request.max_tokens:
+        raise WarmupError(f"{produced} tokens for max_tokens={request.max_tokens} (ignore_eos)")
+    return produced
+
+
+def run_step(endpoint: Endpoint, model: str, step: Step, timeout: float) -> float:
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(len(step.requests)) as pool:
+        futures = [pool.submit(send, endpoint, model, r, f"{step.name}:{i}", timeout)
+                   for i, r in enumerate(step.requests)]
+        for future in futures:
+            future.result()
+    return time.monotonic() - start
+
+
+# -- the warm-up --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool = True
+    prefill: tuple[int, ...] = DEFAULT_PREFILL
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    timeout_s: float = 1800.0
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str]) -> "Settings":
+        def numbers(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+            raw = environ.get(name, "").strip()
+            return tuple(int(x) for x in raw.split(",") if x.strip()) if raw else default
+
+        return cls(enabled=environ.get("DSA_IMAGE_WARMUP", "1") != "0",
+                   prefill=numbers("DSA_IMAGE_WARMUP_PREFILL", DEFAULT_PREFILL),
+                   concurrency=numbers("DSA_IMAGE_WARMUP_CONCURRENCY", DEFAULT_CONCURRENCY),
+                   timeout_s=float(environ.get("DSA_IMAGE_WARMUP_TIMEOUT_S", "1800")))
+
+
+def warm(endpoint: Endpoint, settings: Settings = Settings(), log: Callable[[str], None] = print) -> dict:
+    """Send every step's requests to a healthy server; raises WarmupError on a bad answer."""
+    model, max_model_len = served_model(endpoint)
+    steps = plan_steps(max_model_len, settings.prefill, settings.concurrency)
+    deadline = time.monotonic() + settings.timeout_s
+    report = {"model": model, "max_model_len": max_model_len, "steps": {}}
+    start = time.monotonic()
+    for step in steps:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise WarmupError(f"out of time ({settings.timeout_s:.0f} s) before step {step.name}")
+        try:
+            seconds = run_step(endpoint, model, step, remaining)
+        except WarmupError as exc:
+            raise WarmupError(f"step {step.name}: {exc}") from None
+        report["steps"][step.name] = round(seconds, 3)
+        log(f"dsa-image warmup: {step.name}: {len(step.requests)} request(s) in {seconds:.2f} s")
+    report["seconds"] = round(time.monotonic() - start, 3)
+    return report
+
+
+# -- the readiness marker -----------------------------------------------------------------------
+
+
+def default_marker_path() -> Path:
+    # /dev/shm is writable under --read-only and empty in a new container; the host name (the
+    # container id) keeps containers apart when --ipc=host shares it.
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"dsa-image-warm-{socket.gethostname()}.json"
+
+
+def process_identity(pid: int, proc: Path = PROC) -> dict:
+    """pid, start time (clock ticks since boot) and boot id: unique for a process on a host."""
+    stat = (proc / str(pid) / "stat").read_text()
+    # Field 22 is the start time; the command name (field 2) may hold spaces, hence after ")".
+    starttime = int(stat.rsplit(")", 1)[1].split()[19])
+    boot_id_file = proc / "sys" / "kernel" / "random" / "boot_id"
+    boot_id = boot_id_file.read_text().strip() if boot_id_file.is_file() else ""
+    return {"pid": pid, "starttime": starttime, "boot_id": boot_id}
+
+
+def write_marker(path: Path, server_pid: int, report: dict, proc: Path = PROC) -> None:
+    doc = {**process_identity(server_pid, proc), "host": socket.gethostname(),
+           "warmed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "warmup": report}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)  # the health check never reads half a marker
+
+
+def clear_marker(path: Path) -> None:
+    for stale in (path, path.with_name(path.name + ".tmp")):
+        try:
+            stale.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def marker_problem(path: Path, server_pid: int, proc: Path = PROC) -> str | None:
+    """None when `path` marks the running server `server_pid` as warm, else why not."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return f"warming up: no readiness marker {path} yet"
+    except (OSError, ValueError) as exc:
+        return f"readiness marker {path} unreadable: {exc}"
+    try:
+        current = process_identity(server_pid, proc)
+    except (OSError, ValueError, IndexError) as exc:
+        return f"server pid {server_pid}: {exc}"
+    stale = [k for k in ("pid", "starttime", "boot_id") if doc.get(k) != current[k]]
+    return f"readiness marker {path} is another server's ({', '.join(stale)} differ)" if stale else None
+
+
+def required_marker(server_pid: int, proc: Path = PROC) -> Path | None:
+    """The marker the supervisor told the server about, or None when it was not supervised."""
+    raw = (proc / str(server_pid) / "environ").read_bytes()
+    for entry in raw.split(b"\0"):
+        name, _, value = entry.partition(b"=")
+        if name.decode(errors="replace") == MARKER_ENV and value:
+            return Path(value.decode())
+    return None
+
+
+def warm_problem(server_pid: int, proc: Path = PROC) -> str | None:
+    """For a health check: None when the server needs no warm-up or is warm, else why not."""
+    try:
+        marker = required_marker(server_pid, proc)
+    except OSError as exc:
+        return f"cannot read the server's environment (pid {server_pid}): {exc}"
+    return None if marker is None else marker_problem(marker, server_pid, proc)
+
+
+# -- the supervisor -----------------------------------------------------------------------------
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def forward_signals(child: subprocess.Popen, exited: threading.Event) -> Callable[[], None]:
+    """Pass each signal on to the child (as if vLLM were PID 1); returns the undo."""
+
+    def handler(signum, _frame):
+        if not exited.is_set():
+            try:
+                os.kill(child.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = {s: signal.signal(s, handler) for s in FORWARDED_SIGNALS}
+    return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+
+def wait_for(child: subprocess.Popen) -> int:
+    """The child's exit status as a shell reports it (128 + N for signal N). As PID 1, also
+    reaps the orphans re-parented here (vLLM's engine processes if the API server dies first)."""
+    if os.getpid() != 1:
+        child.wait()
+    else:
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == child.pid:
+                child.returncode = os.waitstatus_to_exitcode(status)
+                break
+    return 128 - child.returncode if child.returncode < 0 else child.returncode
+
+
+def warm_and_mark(child: subprocess.Popen, exited: threading.Event, endpoint: Endpoint, marker: Path,
+                  settings: Settings, health_timeout_s: float) -> bool:
+    """Wait for /health, warm up, then write the marker; on failure no marker (unhealthy)."""
+    if not wait_healthy(endpoint, lambda: not exited.is_set(), time.monotonic() + health_timeout_s):
+        if not exited.is_set():
+            _log(f"dsa-image warmup: {endpoint.base_url}/health did not answer in {health_timeout_s:.0f} s")
+        return False
+    try:
+        report = warm(endpoint, settings, _log) if settings.enabled else {"skipped": "DSA_IMAGE_WARMUP=0"}
+        write_marker(marker, child.pid, report)
+    except (WarmupError, OSError, ValueError, KeyError) as exc:
+        if not exited.is_set():
+            _log(f"dsa-image warmup: FAILED: {exc}; the container stays unhealthy (no marker {marker})")
+        return False
+    _log(f"dsa-image warmup: done in {report.get('seconds', 0):.1f} s; healthy from now ({marker})")
+    return True
+
+
+def supervise(argv: list[str], environ: dict[str, str], marker: Path | None = None,
+              health_timeout_s: float = 7200.0) -> int:
+    """Run `argv` (vllm serve ...) as a child, warm it, mark it ready; exit with its status."""
+    marker = Path(marker or default_marker_path())
+    clear_marker(marker)
+    settings = Settings.from_env(environ)
+    try:
+        # Its own process group: a terminal's Ctrl-C reaches it once, through the forwarding.
+        child = subprocess.Popen(argv, env={**environ, MARKER_ENV: str(marker)}, process_group=0)
+    except OSError as exc:
+        _log(f"dsa-image: cannot start {argv[0]}: {exc}")
+        return 127
+    exited = threading.Event()
+    undo = forward_signals(child, exited)
+    threading.Thread(target=warm_and_mark, daemon=True,
+                     args=(child, exited, serve_endpoint(argv, environ), marker, settings, health_timeout_s)).start()
+    try:
+        return wait_for(child)
+    finally:
+        exited.set()
+        undo()
+        clear_marker(marker)
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dsa_image.warmup", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    sup = commands.add_parser("supervise", help="run SERVER_ARGV as a child, warm it, write the marker")
+    sup.add_argument("--marker", type=Path, help="default: /dev/shm/dsa-image-warm-<hostname>.json")
+    sup.add_argument("server_argv", nargs=argparse.REMAINDER, help="-- vllm serve MODEL [FLAGS...]")
+    run = commands.add_parser("run", help="warm a server that is already running")
+    run.add_argument("--url", default="http://127.0.0.1:8000")
+    run.add_argument("--api-key")
+    check = commands.add_parser("check", help="exit 0 when server PID is warm (or needs no warm-up)")
+    check.add_argument("--pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "supervise":
+        server_argv = args.server_argv[1:] if args.server_argv[:1] == ["--"] else args.server_argv
+        if not server_argv:
+            parser.error("supervise needs the server's command after --")
+        return supervise(server_argv, dict(os.environ), args.marker)
+    if args.command == "run":
+        report = warm(Endpoint(args.url.rstrip("/"), args.api_key), Settings.from_env(dict(os.environ)))
+        print(json.dumps(report, indent=1))
+        return 0
+    problem = warm_problem(args.pid)
+    print(f"not ready: {problem}" if problem else "ready")
+    return 1 if problem else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

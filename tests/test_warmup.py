@@ -1,0 +1,366 @@
+"""The warm-up (dsa_image/warmup.py) and the warm-start measurement's pure parts, on the CPU,
+against the fake OpenAI-compatible vLLM of tests/test_bench.py: what is sent, the readiness
+marker and its identity check, and the supervisor (a real child process, signals, exit codes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import test_bench as fakes
+from dsa_image import warmup
+from dsa_image.validation import warmstart
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- where the server listens -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, url", [
+    (["vllm", "serve", "m"], "http://127.0.0.1:8000"),
+    (["vllm", "serve", "m", "--port", "9000"], "http://127.0.0.1:9000"),
+    (["vllm", "serve", "m", "--port=9001", "--host", "0.0.0.0"], "http://127.0.0.1:9001"),
+    (["vllm", "serve", "m", "--host", "::", "--port", "1"], "http://[::1]:1"),
+    (["vllm", "serve", "m", "--host=10.0.0.5", "--ssl-certfile", "c.pem"], "https://10.0.0.5:8000"),
+    (["vllm", "serve", "m", "--port", "1", "--port", "2"], "http://127.0.0.1:2"),
+])
+def test_serve_endpoint_reads_the_flags(argv, url):
+    assert warmup.serve_endpoint(argv, {}).base_url == url
+
+
+def test_a_unix_socket_server_is_reached_through_its_socket(tmp_path):
+    import socketserver
+    import threading
+
+    class UnixHttpd(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+
+    state = fakes.FakeOpenAI()
+    path = str(tmp_path / "vllm.sock")
+    endpoint = warmup.serve_endpoint(["vllm", "serve", "m", "--uds", path, "--port", "1"], {})
+    assert endpoint.uds == path and endpoint.base_url == f"http+unix://{path}"
+    httpd = UnixHttpd(path, fakes.make_handler(state))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        assert warmup.is_healthy(endpoint)
+        warmup.warm(endpoint, warmup.Settings(prefill=(), concurrency=(2,)), lambda line: None)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert len(state.requests) == 3
+
+
+def test_api_key_from_the_flag_or_vllms_variable():
+    assert warmup.serve_endpoint(["--api-key", "k1"], {"VLLM_API_KEY": "k2"}).api_key == "k1"
+    assert warmup.serve_endpoint([], {"VLLM_API_KEY": "k2"}).api_key == "k2"
+    assert warmup.serve_endpoint([], {}).api_key is None
+
+
+# -- what is sent -------------------------------------------------------------------------------
+
+
+def test_plan_covers_prefill_over_topk_decode_batches_and_a_mixed_batch():
+    steps = {s.name: s for s in warmup.plan_steps(8192)}
+    assert list(steps) == ["prefill-2049", "prefill-2050", "prefill-2052", "prefill-2056", "prefill-4096",
+                           "decode-c1-sampled", "decode-c1", "decode-c8", "decode-c32", "mixed-prefill-2049+decode-c7"]
+    assert all(r.prompt_len > 2048 for name in steps if name.startswith("prefill") for r in steps[name].requests)
+    assert [len(steps[f"decode-c{c}"].requests) for c in (1, 8, 32)] == [1, 8, 32]
+    assert steps["decode-c1-sampled"].requests[0].sampling == warmup.SAMPLED
+    assert not steps["decode-c1"].requests[0].sampling
+    mixed = steps["mixed-prefill-2049+decode-c7"].requests
+    assert [r.prompt_len for r in mixed][:2] == [2049, 61] and len(mixed) == 8
+
+
+def test_prefill_lengths_cover_every_power_of_two_pattern_of_a_token_count():
+    # Triton specialises on divisibility by 16; counts reach kernels times 1, 2, 4 or 8.
+    def pattern(n):
+        return tuple((n * k) % 16 == 0 for k in (1, 2, 4, 8))
+
+    covered = {pattern(n) for n in warmup.DEFAULT_PREFILL}
+    assert all(pattern(n) in covered for n in range(2049, 70000))
+
+
+def test_decode_batches_shrink_through_every_size():
+    # Each request ends one step after the previous one: batch sizes c, c-1, ..., 1 all run.
+    batch = warmup.decode_batch(32, sampled=True)
+    assert sorted(r.max_tokens for r in batch) == list(range(warmup.DECODE_TOKENS, warmup.DECODE_TOKENS + 32))
+
+
+def test_plan_fits_max_model_len_and_adds_a_long_prefill_when_it_allows():
+    assert [s.name for s in warmup.plan_steps(3000) if "prefill" in s.name] == [
+        "prefill-2049", "prefill-2050", "prefill-2052", "prefill-2056", "mixed-prefill-2049+decode-c7"]
+    assert "long-prefill-32768" in [s.name for s in warmup.plan_steps(65536)]
+    assert "long-prefill-10000" in [s.name for s in warmup.plan_steps(20000)]
+    assert not [s for s in warmup.plan_steps(None) if s.name.startswith("long")]
+    assert [s.name for s in warmup.plan_steps(8192, prefill=(), concurrency=(4,))] == ["decode-c1-sampled", "decode-c4"]
+
+
+def test_settings_from_the_environment():
+    assert warmup.Settings.from_env({}) == warmup.Settings()
+    s = warmup.Settings.from_env({"DSA_IMAGE_WARMUP": "0", "DSA_IMAGE_WARMUP_PREFILL": "3000, 5000",
+                                  "DSA_IMAGE_WARMUP_CONCURRENCY": "2", "DSA_IMAGE_WARMUP_TIMEOUT_S": "60"})
+    assert s == warmup.Settings(enabled=False, prefill=(3000, 5000), concurrency=(2,), timeout_s=60.0)
+
+
+def test_warm_sends_each_step_with_its_batch_in_flight_together():
+    state = fakes.FakeOpenAI(ttft_s=0.5, max_model_len=8192)  # long enough for 32 clients to overlap
+    with fakes.FakeServer(state) as server:
+        report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
+    assert list(report["steps"]) == [s.name for s in warmup.plan_steps(8192)]
+    assert report["model"] == "glm-5" and report["max_model_len"] == 8192
+    assert state.max_active == 32  # the c=32 batch reached the server at once
+    prompts = [tuple(r["prompt"]) for r in state.requests]
+    assert len(prompts) == len(set(prompts)) == 5 + 1 + 1 + 8 + 32 + 8  # none repeats: no prefix-cache hit
+    assert {len(p) for p in prompts} >= set(warmup.DEFAULT_PREFILL)
+    assert all(r["ignore_eos"] and r["model"] == "glm-5" for r in state.requests)
+    sampled = [r for r in state.requests if r["temperature"] > 0]
+    assert sampled and all(r["top_p"] == 0.9 and r["logprobs"] == 1 for r in sampled)
+
+
+def test_warm_sends_the_api_key():
+    seen = []
+    with fakes.FakeServer(fakes.FakeOpenAI()) as server:
+        handler = server.httpd.RequestHandlerClass
+        get, post = handler.do_GET, handler.do_POST
+        handler.do_GET = lambda self: seen.append((self.path, self.headers.get("Authorization"))) or get(self)
+        handler.do_POST = lambda self: seen.append((self.path, self.headers.get("Authorization"))) or post(self)
+        warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}", "sekret"),
+                    warmup.Settings(prefill=(), concurrency=(1,)), lambda line: None)
+    # /v1/models, then decode-c1-sampled and decode-c1
+    assert seen == [("/v1/models", "Bearer sekret")] + [("/v1/completions", "Bearer sekret")] * 2
+
+
+@pytest.mark.parametrize("fault, message", [("http_500", "HTTP 500"), ("short", "prefill-2049: 3 tokens for max_tokens=4")])
+def test_warm_fails_on_a_bad_answer(fault, message):
+    with fakes.FakeServer(fakes.FakeOpenAI(faults={fault})) as server:
+        with pytest.raises(warmup.WarmupError, match=message):
+            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
+
+
+def test_warm_fails_when_out_of_time():
+    with fakes.FakeServer(fakes.FakeOpenAI(ttft_s=0.3)) as server:
+        with pytest.raises(warmup.WarmupError, match="out of time"):
+            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"), warmup.Settings(timeout_s=0.5),
+                        lambda line: None)
+
+
+def test_wait_healthy_polls_until_200_and_gives_up_when_the_server_is_gone():
+    with fakes.FakeServer(fakes.FakeOpenAI(unhealthy_polls=3)) as server:
+        endpoint = warmup.Endpoint(f"http://127.0.0.1:{server.port}")
+        assert warmup.wait_healthy(endpoint, lambda: True, time.monotonic() + 10, poll_s=0.01)
+        assert not warmup.wait_healthy(endpoint, lambda: False, time.monotonic() + 10)
+
+
+# -- the marker ---------------------------------------------------------------------------------
+
+
+def fake_proc(root: Path, pid: int, starttime: int, environ: dict[str, str] | None = None) -> Path:
+    (root / str(pid)).mkdir(parents=True, exist_ok=True)
+    # The command name may hold spaces and parentheses; field 22 is the start time.
+    fields = ["S", *["0"] * 18, str(starttime), "0"]
+    (root / str(pid) / "stat").write_text(f"{pid} (vllm serve (x)) " + " ".join(fields) + "\n")
+    (root / str(pid) / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in (environ or {}).items()))
+    (root / "sys" / "kernel" / "random").mkdir(parents=True, exist_ok=True)
+    (root / "sys" / "kernel" / "random" / "boot_id").write_text("boot-1\n")
+    return root
+
+
+def test_process_identity_reads_the_start_time_after_the_command_name(tmp_path):
+    proc = fake_proc(tmp_path, 42, 123456)
+    assert warmup.process_identity(42, proc) == {"pid": 42, "starttime": 123456, "boot_id": "boot-1"}
+    mine = warmup.process_identity(os.getpid())  # the real /proc
+    assert mine["pid"] == os.getpid() and mine["starttime"] > 0
+
+
+def test_marker_counts_only_for_the_server_it_names(tmp_path):
+    proc = fake_proc(tmp_path / "proc", 42, 1000)
+    marker = tmp_path / "warm.json"
+    assert "no readiness marker" in warmup.marker_problem(marker, 42, proc)
+    warmup.write_marker(marker, 42, {"seconds": 1.5}, proc)
+    assert warmup.marker_problem(marker, 42, proc) is None
+    assert json.loads(marker.read_text())["warmup"] == {"seconds": 1.5}
+    fake_proc(tmp_path / "proc", 42, 2000)  # pid 42 again, a later process: a restarted server
+    assert "another server's (starttime differ)" in warmup.marker_problem(marker, 42, proc)
+    assert "server pid 7" in warmup.marker_problem(marker, 7, proc)
+    marker.write_text("{half")
+    assert "unreadable" in warmup.marker_problem(marker, 42, proc)
+    warmup.clear_marker(marker)
+    assert not marker.exists()
+
+
+def test_only_a_supervised_server_needs_the_marker(tmp_path):
+    marker = tmp_path / "warm.json"
+    proc = fake_proc(tmp_path / "proc", 42, 1000, {"PATH": "/bin", warmup.MARKER_ENV: str(marker)})
+    fake_proc(proc, 43, 1000, {"PATH": "/bin"})
+    assert warmup.required_marker(42, proc) == marker
+    assert "no readiness marker" in warmup.warm_problem(42, proc)
+    warmup.write_marker(marker, 42, {}, proc)
+    assert warmup.warm_problem(42, proc) is None
+    assert warmup.warm_problem(43, proc) is None  # started without the supervisor: /health decides
+    assert "cannot read" in warmup.warm_problem(44, proc)
+
+
+# -- the supervisor, as a real process ----------------------------------------------------------
+
+
+def start_supervisor(tmp_path: Path, marker: Path, **options) -> tuple[subprocess.Popen, int]:
+    site = fakes.fake_vllm_site(tmp_path / "site", **options)
+    port = fakes.free_ports(1)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": f"{REPO}:{site}",
+           "DSA_IMAGE_WARMUP_PREFILL": "2500", "DSA_IMAGE_WARMUP_CONCURRENCY": "1,4"}
+    server = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "m", "--port", str(port)]
+    proc = subprocess.Popen([sys.executable, "-m", "dsa_image.warmup", "supervise", "--marker", str(marker), "--", *server],
+                            env=env, cwd=str(tmp_path), stderr=subprocess.PIPE, text=True)
+    return proc, port
+
+
+def wait_for(condition, seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def children(supervisor: subprocess.Popen) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def child_pid(supervisor: subprocess.Popen) -> int:
+    return children(supervisor)[0]
+
+
+def kill_all(supervisor: subprocess.Popen) -> None:
+    """After a failed assertion: the child has its own process group and would outlive us."""
+    for pid in children(supervisor):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    supervisor.kill()
+    supervisor.wait(30)
+
+
+def test_supervisor_marks_the_warm_server_and_forwards_sigterm(tmp_path):
+    marker = tmp_path / "warm.json"
+    term = tmp_path / "term"
+    supervisor, port = start_supervisor(tmp_path, marker, term_file=str(term), term_exit=3,
+                                        fake={"ttft_s": 0.01, "unhealthy_polls": 2})
+    try:
+        assert wait_for(marker.exists), supervisor.stderr.read() if supervisor.poll() is not None else "no marker"
+        server = child_pid(supervisor)
+        doc = json.loads(marker.read_text())
+        assert doc["pid"] == server and "prefill-2500" in doc["warmup"]["steps"]
+        assert warmup.warm_problem(server) is None
+        check = subprocess.run([sys.executable, "-m", "dsa_image.warmup", "check", "--pid", str(server)],
+                               env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+        assert check.returncode == 0 and check.stdout.strip() == "ready"
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(30) == 3  # the child's status is the supervisor's
+    finally:
+        kill_all(supervisor)
+    assert term.read_text() == str(server)  # vLLM got the SIGTERM
+    assert not marker.exists()
+    assert "dsa-image warmup: done" in supervisor.stderr.read()
+
+
+def test_supervisor_stays_unhealthy_when_the_warmup_fails(tmp_path):
+    marker = tmp_path / "warm.json"
+    supervisor, port = start_supervisor(tmp_path, marker, fake={"faults": ["http_500"]})
+    try:
+        assert wait_for(lambda: children(supervisor))
+        time.sleep(3)
+        assert supervisor.poll() is None and not marker.exists()
+        supervisor.send_signal(signal.SIGINT)  # forwarded: the fake dies of it, as Python does
+        assert supervisor.wait(30) == 128 + signal.SIGINT
+    finally:
+        kill_all(supervisor)
+    assert "FAILED: step prefill-2500: HTTP 500" in supervisor.stderr.read()
+
+
+def test_supervisor_exits_with_the_servers_status(tmp_path):
+    supervisor, _ = start_supervisor(tmp_path, tmp_path / "warm.json", crash_exit=7)
+    assert supervisor.wait(30) == 7
+
+
+def test_supervisor_reports_a_server_killed_by_a_signal_as_128_plus_n(tmp_path):
+    marker = tmp_path / "warm.json"
+    supervisor, _ = start_supervisor(tmp_path, marker, fake={})
+    try:
+        assert wait_for(marker.exists)
+        os.kill(child_pid(supervisor), signal.SIGKILL)
+        assert supervisor.wait(30) == 128 + signal.SIGKILL
+    finally:
+        kill_all(supervisor)
+
+
+def test_supervisor_without_a_server_command_is_a_usage_error():
+    done = subprocess.run([sys.executable, "-m", "dsa_image.warmup", "supervise", "--"],
+                          env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert done.returncode == 2 and "needs the server's command" in done.stderr
+
+
+# -- the warm-start measurement -----------------------------------------------------------------
+
+
+def test_log_slices_split_compilations_by_offset(tmp_path):
+    log = tmp_path / "server.log"
+    before = "INFO start\nINFO Running NVCC command: nvcc -o x\n"
+    during = ("WARNING Triton kernel JIT compilation during inference: fused_moe_kernel (key=a).\n"
+              "WARNING Triton kernel JIT compilation during inference: fused_moe_kernel (key=b).\n"
+              "WARNING Triton kernel JIT compilation during inference: _compute_slot_mapping_kernel. This causes\n")
+    log.write_text(before + during)
+    server = {"log": str(log)}
+    cut = len(before.encode())
+    assert warmstart.log_slice(server, 0, cut) == {"triton_jit": {}, "deepgemm_nvcc_runs": 1}
+    assert warmstart.log_slice(server, cut) == {
+        "triton_jit": {"_compute_slot_mapping_kernel": 1, "fused_moe_kernel": 2}, "deepgemm_nvcc_runs": 0}
+
+
+def test_cache_sizes_list_what_a_start_filled(tmp_path):
+    (tmp_path / "vllm" / "torch_compile_cache").mkdir(parents=True)
+    (tmp_path / "vllm" / "torch_compile_cache" / "a.bin").write_bytes(b"x" * 2**20)
+    (tmp_path / "deep_gemm").mkdir()
+    assert warmstart.cache_sizes(tmp_path) == {"deep_gemm": 0.0, "vllm": 1.0, "vllm/torch_compile_cache": 1.0}
+
+
+def test_warmstart_attributes_compilations_to_the_first_request_or_the_warmup(tmp_path):
+    from dsa_image.tiny_model import write_model
+
+    write_model(tmp_path / "model")
+    site = fakes.fake_vllm_site(tmp_path / "site", fake={"ttft_s": 0.002, "jit_line_on_first": True})
+    code = warmstart.main(["--model", str(tmp_path / "model"), "--overlay-site", str(site), "--out", str(tmp_path / "out"),
+                           "--steps", "cold,warm-warmup", "--port-base", str(fakes.free_ports(1)), "--timeout", "60"])
+    doc = json.loads((tmp_path / "out" / "warmstart.json").read_text())
+    assert code == 0, doc
+    cold, warm = doc["steps"]["cold"]["sides"]["overlay"], doc["steps"]["warm-warmup"]["sides"]["overlay"]
+    assert cold["compiled"]["during_first_request"]["triton_jit"] == {"fake_kernel": 1}
+    assert warm["compiled"]["during_warmup"]["triton_jit"] == {"fake_kernel": 1}
+    assert warm["compiled"]["during_first_request"]["triton_jit"] == {}
+    assert "warmup" not in cold and warm["warmup"]["seconds"] > 0
+    assert warm["ready_after_s"] >= warm["healthy_after_s"]
+    assert cold["first_over_warm"] == pytest.approx(cold["first"]["latency_s"] / cold["warm_latency_s"], abs=0.01)
+    assert isinstance(cold["goal_met"], bool) and len(cold["warm"]) == warmstart.WARM_REQUESTS
+    assert doc["steps"]["cold"]["empty_caches_at_start"] and not doc["steps"]["warm-warmup"]["empty_caches_at_start"]
+
+
+def test_deepgemm_lines_show_what_the_server_said_about_it(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("(EngineCore pid=1) INFO 11-30 06:18:32 [deep_gemm.py:175] deep_gemm not found in site-packages\n"
+                   "(EngineCore pid=1) INFO 11-30 06:18:33 [deep_gemm.py:202] DeepGEMM PDL enabled.\n"
+                   "Running NVCC command: nvcc deep_gemm/x.cu\n"
+                   "(EngineCore pid=1) INFO 11-30 06:19:00 [deep_gemm.py:202] DeepGEMM PDL enabled.\n"
+                   "INFO unrelated\n")
+    assert warmstart.deepgemm_lines(str(log)) == ["deep_gemm not found in site-packages", "DeepGEMM PDL enabled."]
