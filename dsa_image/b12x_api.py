@@ -140,3 +140,26 @@ def problems(wheel: Path, overlay_source: str) -> list[str]:
                 for missing in sorted(signature.required - given):
                     found.append(f"{module}.{name}: required parameter {missing!r} not passed")
     return found
+
+
+def module_constants(source: str) -> dict[str, object]:
+    """Module-level ``NAME = literal`` assignments of a source file (literals only)."""
+    constants = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                constants[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return constants
+
+
+def constant_mismatches(files: dict[str, str], expected: dict[tuple[str, str], object]) -> list[str]:
+    """Where ``expected`` {(module, name): value} differs from the modules' sources in ``files``
+    (module name -> source)."""
+    found = []
+    for (module, name), value in sorted(expected.items(), key=str):
+        actual = module_constants(files[module]).get(name, "<missing>") if module in files else "<no module>"
+        if actual != value:
+            found.append(f"{module}.{name}: b12x has {actual!r}, expected {value!r}")
+    return found

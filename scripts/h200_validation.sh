@@ -23,9 +23,9 @@
 #   bench    the paired benchmark (scripts/bench.py run; BENCH_ARGS, BENCH_LABEL).
 #   b12x     the overlay's b12x path with b12x's kernels emulated (emulation/, validation
 #            only): exact top-k against a dense reference per case, the emulation against
-#            the b12x wheel's references, the locked workspace, the self-test's b12x branch;
-#            then dsa_image.selftest with this GPU's DeepGEMM kernels, its refusal of b12x
-#            here and a deliberately broken kernel.
+#            the b12x wheel's references, the locked workspace, the self-test's b12x branch.
+#   selftest dsa_image.selftest with this GPU's DeepGEMM kernels, its refusal of b12x here,
+#            and a deliberately broken kernel (exits 0, 4 and 1).
 #   b12xserve  the tiny GLM-5 served on the emulated b12x path beside stock (DeepGEMM),
 #            CUDA graphs on: health, errors, tokens, selections explained.
 #
@@ -206,7 +206,6 @@ b12x() {
   echo "b12x glue exit: $?" | tee -a "$results/b12x-glue.log"
   grep -v "compute-capability check bypassed\|^INFO\|^WARNING\|^DEBUG" "$results/b12x-glue.log" | tail -70
   cp "$results/b12x-glue.json" "$out/"
-  selftest
 }
 
 selftest() {
@@ -256,6 +255,7 @@ case $phase in
   warmstart) environment; warmstart; collect ;;
   bench) environment; bench; collect ;;
   b12x) environment; b12x; collect ;;
+  selftest) environment; selftest; collect ;;
   b12xserve) environment; b12xserve; collect ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

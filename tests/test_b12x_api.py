@@ -36,6 +36,41 @@ def test_overlay_fits_the_pinned_b12x_wheel():
     assert b12x_api.problems(wheel, OVERLAY_SOURCE) == []
 
 
+def pinned_wheel_sources() -> b12x_api.WheelSources:
+    return b12x_api.WheelSources(wheels.ensure_wheel(*pinned_b12x()))
+
+
+@pytest.mark.wheel
+def test_the_supertile_variable_is_the_one_b12xs_contiguous_path_reads():
+    """The overlay's prefill takes contiguous_tiled_topk: its supertile variable is the one
+    the overlay reads and passes; the paged path's (index_topk_fp8) is another."""
+    files = pinned_wheel_sources().files
+    tiled = b12x_api.module_constants(files["b12x.attention.indexer.tiled_topk"])
+    paged = b12x_api.module_constants(files["b12x.attention.indexer.paged"])
+    envs = (REPO / "overlay" / "vllm" / "envs.py").read_text()
+    assert tiled["_SUPERTILE_K_ENV"] == "B12X_NSA_TOPK_SUPERTILE_K" and tiled["_SUPERTILE_K_DEFAULT"] == 32768
+    assert '"B12X_NSA_TOPK_SUPERTILE_K": lambda' in envs and '"32768"' in envs
+    assert paged["_PAGED_INDEX_SUPERTILE_K_ENV"] == "B12X_PAGED_INDEX_SUPERTILE_K"
+    assert f'PAGED_SUPERTILE_VARIABLE = "{paged["_PAGED_INDEX_SUPERTILE_K_ENV"]}"' in OVERLAY_SOURCE
+
+
+@pytest.mark.wheel
+def test_b12xs_paged_topk_needs_a_scratch_plan_binding():
+    # Why the overlay does not take index_topk_fp8: without a plan binding it refuses.
+    paged = pinned_wheel_sources().files["b12x.attention.indexer.paged"]
+    assert "paged indexer launch requires a plan binding" in paged
+    assert "binding=binding" in paged.split("def index_topk_fp8")[1].split("def ")[0]
+
+
+@pytest.mark.wheel
+def test_b12xs_indexer_cannot_ask_vllms_workspace_for_memory():
+    # "Workspace is locked" is vLLM's WorkspaceManager; b12x allocates through torch only.
+    files = pinned_wheel_sources().files
+    indexer = {m: src for m, src in files.items() if m.startswith(("b12x.attention.indexer", "b12x.cute"))}
+    assert len(indexer) > 10
+    assert [m for m, src in indexer.items() if "vllm" in src or "workspace_manager" in src] == []
+
+
 def test_overlay_imports_what_it_calls():
     usage = b12x_api.overlay_usage(OVERLAY_SOURCE)
     assert set(usage) == {"b12x.attention.indexer"}
@@ -65,7 +100,8 @@ class IndexerContiguousMetadata:
     k_end: object
 def build_paged_mqa_schedule_metadata(context_lens, block_kv, num_sms=None, out=None): ...
 def uses_paged_mqa_schedule(*, q_rows, max_pages): ...
-def contiguous_tiled_topk(*, q_fp8, weights, kv_fp8, metadata=None, topk=None, supertile_k=None): ...
+def contiguous_tiled_topk(*, q_fp8, weights, kv_fp8, metadata=None, topk=None, output_indices=None,
+                          supertile_k=None): ...
 def paged_decode_logits(*, q_fp8, weights, index_k_cache, metadata=None, page_size=64,
                         active_width_override=None): ...
 '''

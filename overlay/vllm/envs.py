@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     VLLM_XLA_CHECK_RECOMPILATION: bool = False
     VLLM_SPARSE_INDEXER_MAX_LOGITS_MB: int = 512
     VLLM_USE_B12X_SPARSE_INDEXER: bool = False
-    B12X_PAGED_INDEX_SUPERTILE_K: int = 32768
+    B12X_NSA_TOPK_SUPERTILE_K: int = 32768
     VLLM_USE_RAY_COMPILED_DAG_CHANNEL_TYPE: Literal["auto", "nccl", "shm"] = "auto"
     VLLM_USE_RAY_COMPILED_DAG_OVERLAP_COMM: bool = False
     VLLM_USE_RAY_WRAPPED_PP_COMM: bool = True
@@ -554,6 +554,36 @@ def _resolve_rust_frontend_path() -> str | None:
     return raw
 
 
+def _b12x_sparse_indexer_switch() -> bool:
+    """VLLM_USE_B12X_SPARSE_INDEXER as a bool; an unparsable value names itself."""
+    value = os.getenv("VLLM_USE_B12X_SPARSE_INDEXER", "0")
+    if value.strip().lower() in ("1", "true"):
+        return True
+    if value.strip().lower() in ("", "0", "false"):
+        return False
+    raise ValueError(
+        f"VLLM_USE_B12X_SPARSE_INDEXER={value!r} is not a valid value: use 1 (b12x "
+        "indexer kernels, compute capability 12.x only) or 0 (DeepGEMM, the "
+        "default); true/false are accepted too."
+    )
+
+
+def _b12x_supertile_k() -> int:
+    """B12X_NSA_TOPK_SUPERTILE_K as a positive int; anything else names itself."""
+    raw = os.getenv("B12X_NSA_TOPK_SUPERTILE_K", "32768")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(
+            f"B12X_NSA_TOPK_SUPERTILE_K={raw!r} is not a valid value: use a "
+            "positive number of keys (default 32768; rounded up to a multiple "
+            "of 512)."
+        )
+    return value
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     # ================== Installation Time Env Vars ==================
     # Target device of vLLM, supporting [cuda (by default),
@@ -997,20 +1027,21 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB": lambda: int(
         os.getenv("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "512")
     ),
-    # If set, the DSA sparse-attention indexer (DeepSeek-V3.2 / GLM-5) scores and
-    # selects its top-k with b12x kernels instead of DeepGEMM. b12x runs on
-    # compute capability 12.0 / 12.1 only (RTX PRO 6000, RTX 50, DGX Spark);
-    # asking for it elsewhere fails at start-up. Added by the dsa-image overlay.
-    "VLLM_USE_B12X_SPARSE_INDEXER": lambda: bool(
-        int(os.getenv("VLLM_USE_B12X_SPARSE_INDEXER", "0"))
-    ),
-    # K-rows per b12x indexer supertile (rounded up to a multiple of 512): the
-    # b12x prefill path chunks each request against this budget instead of its
-    # full context. b12x reads the same variable itself. Added by the dsa-image
-    # overlay.
-    "B12X_PAGED_INDEX_SUPERTILE_K": lambda: int(
-        os.getenv("B12X_PAGED_INDEX_SUPERTILE_K", "32768")
-    ),
+    # 1: the DSA sparse-attention indexer (DeepSeek-V3.2 / GLM-5) scores and
+    # selects its top-k with b12x kernels instead of DeepGEMM; 0 (default):
+    # DeepGEMM. b12x runs on compute capability 12.0 / 12.1 only (RTX PRO 6000,
+    # RTX 50, DGX Spark); asking for it elsewhere fails at start-up. Accepts
+    # 0/1/true/false; anything else fails with the accepted values. Added by the
+    # dsa-image overlay.
+    "VLLM_USE_B12X_SPARSE_INDEXER": lambda: _b12x_sparse_indexer_switch(),
+    # Keys per b12x prefill supertile (rounded up to a multiple of 512): b12x
+    # scores a prefill chunk's keys this many at a time, folding each
+    # supertile's top-k into the next, and the builder sizes each chunk's query
+    # rows so b12x's buffers for one supertile fit the indexer's logits budget
+    # (VLLM_SPARSE_INDEXER_MAX_LOGITS_MB). The overlay passes this value to
+    # b12x's contiguous_tiled_topk, whose own variable of that name it is.
+    # Added by the dsa-image overlay.
+    "B12X_NSA_TOPK_SUPERTILE_K": lambda: _b12x_supertile_k(),
     # If set, the OpenAI API server will stay alive even after the underlying
     # AsyncLLMEngine errors and stops serving requests
     "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": lambda: bool(

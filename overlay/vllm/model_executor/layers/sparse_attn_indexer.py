@@ -491,6 +491,10 @@ class SparseAttnIndexer(CustomOp):
         skip_k_cache_insert: bool = False,
         use_fp4_cache: bool = False,
     ):
+        # At model construction, before weights or KV cache are allocated: the
+        # first point where both the switch and the model's top-k are known.
+        if b12x_indexer.enabled():
+            b12x_indexer.require_supported(topk_tokens, use_fp4_cache)
         super().__init__()
         self.k_cache = k_cache
         self.quant_block_size = quant_block_size

@@ -373,8 +373,15 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
             "earlier architectures are not supported."
         )
         self.use_b12x = b12x_indexer.enabled()
+        # The model's top-k size: b12x's kernels take only some, and its prefill
+        # buffers (and so the rows per chunk) grow with it.
+        self.index_topk = getattr(
+            self.vllm_config.model_config.hf_text_config, "index_topk", None
+        )
         if self.use_b12x:
-            b12x_indexer.require_supported(self.use_fp4_indexer_cache)
+            b12x_indexer.require_supported(
+                self.index_topk, self.use_fp4_indexer_cache
+            )
 
         next_n = self.num_speculative_tokens + 1
         self.reorder_batch_threshold += self.num_speculative_tokens
@@ -384,7 +391,9 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         # paged MQA logits kernel only supports next_n in (1, 2)
         # (deepgemm smxx_fp8_fp4_paged_mqa_logits.hpp:233), so flatten there.
         # b12x scores one query row per page-table row: always flatten MTP.
-        self.use_flattening = (self.use_b12x and next_n > 1) or (
+        self.use_flattening = (
+            self.use_b12x and b12x_indexer.decode_flattens(next_n)
+        ) or (
             not current_platform.is_device_capability_family(100)
             and next_n not in (1, 2)
         )
@@ -826,9 +835,8 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 chunk_specs = b12x_indexer.split_prefill_chunks_by_supertile(
                     prefill_query_lens_np,
                     request_offset=num_decodes,
-                    workspace_size=self.max_prefill_buffer_size,
+                    topk=self.index_topk,
                     max_logits_bytes=max_logits_bytes,
-                    split_chunks=split_indexer_prefill_chunks,
                 )
             else:
                 chunk_specs = split_indexer_prefill_chunks(

@@ -1,0 +1,1 @@
+"""The emulated ``b12x.attention`` package: only ``indexer`` is emulated."""
