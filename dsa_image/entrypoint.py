@@ -5,6 +5,7 @@
     docker run IMAGE serve [ARGS...]     the same, named explicitly; `serve --help`: vLLM's flags
     docker run IMAGE verify              verify the overlay and the receipt, then exit
     docker run IMAGE recipe --list       the serving recipes and their memory plans
+    docker run --gpus all IMAGE selftest the indexer kernels of this GPU against a torch reference
     docker run IMAGE --help              modes, the defaults serve adds, the environment
 
 A first argument that is not a mode (a model id, a path, a flag other than -h/--help) is
@@ -206,6 +207,18 @@ def _verify(args: list[str], environ: dict[str, str]) -> Plan:
     return plan_verify(tool, Path(_required_env(environ, "DSA_IMAGE_SITE_PACKAGES")))
 
 
+# main() drops PYTHONPATH before exec (vLLM needs none), so the tool's path travels as an argument.
+SELFTEST_CODE = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+                 "from dsa_image.selftest import main; sys.exit(main(sys.argv[1:]))")
+
+
+def _selftest(args: list[str], environ: dict[str, str]) -> Plan:
+    tool = _required_env(environ, "DSA_IMAGE_TOOL")
+    return Plan([sys.executable, "-c", SELFTEST_CODE, tool, *args],
+                log="dsa-image: DSA indexer self-test: " + (" ".join(args) or "the kernels this GPU uses"),
+                gpu_for="" if _asks_for_help(args) else "the self-test runs the indexer kernels on it")
+
+
 def _recipe(args: list[str], environ: dict[str, str]) -> Plan:
     # Imported here: only this mode needs the recipe runner and its memory plan.
     from . import serving_recipes
@@ -231,6 +244,11 @@ MODES: dict[str, Mode] = {
     "verify": Mode(_verify, "",
                    "check the receipt against the build's record and re-verify every overlaid file "
                    "and module; no GPU needed"),
+    "selftest": Mode(_selftest, "[--kernels auto|b12x|deepgemm] [--json FILE|-]",
+                     "run the DSA indexer kernels this image uses on this GPU (b12x on sm_120/121, DeepGEMM "
+                     "on sm_90/sm_100) against the torch reference on seeded inputs, incl. a long prefill; "
+                     "prints a table; its exit codes: 0 agree, 1 mismatch, 3 no GPU, 4 refused for this "
+                     "GPU, 5 a kernel raised"),
     "recipe": Mode(_recipe, "--list | NAME [--dry-run] [--set KEY=VALUE ...] [-- VLLM ARGS]",
                    "a serving recipe (recipes/serve/): --list and --dry-run print the memory plan and the "
                    "docker / vllm commands per node, no GPU needed; NAME serves it in this container (one "

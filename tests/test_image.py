@@ -160,7 +160,8 @@ def test_help_works_without_a_gpu_and_lists_modes_and_defaults(docker_client, ru
         assert all(f"{k}={v}" in out for k, v in target.env.items())
 
 
-@pytest.mark.parametrize("args", [(), ("zai-org/GLM-5", "--tensor-parallel-size", "4"), ("--bogus-flag",)])
+@pytest.mark.parametrize("args", [(), ("zai-org/GLM-5", "--tensor-parallel-size", "4"), ("--bogus-flag",),
+                                  ("selftest",), ("selftest", "--kernels", "b12x")])
 def test_serving_without_a_gpu_is_one_line_and_exit_code_3(docker_client, runtime_image, args):
     code, out = _run(docker_client, runtime_image, *args)
     assert code == 3, out
@@ -175,6 +176,13 @@ def test_vllms_serve_help_without_a_gpu_says_where_its_flags_are(docker_client, 
     lines = out.strip().splitlines()
     assert code == 3 and len(lines) == 1, out
     assert f"https://docs.vllm.ai/en/v{RECIPE.vllm_version}/cli/serve/" in lines[0]
+
+
+def test_selftest_help_and_the_recipe_list_work_without_a_gpu(docker_client, runtime_image):
+    code, out = _run(docker_client, runtime_image, "selftest", "--help")
+    assert code == 0 and "--kernels" in out and "Traceback" not in out, out
+    code, out = _run(docker_client, runtime_image, "recipe", "--list")
+    assert code == 0 and "tiny-glm5" in out and "Traceback" not in out, out
 
 
 def test_verify_with_an_argument_is_a_usage_error(docker_client, runtime_image):

@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_smoke_fakes import FakeServer, FakeVllm, free_port, startup_log  # noqa: E402
+from test_smoke_fakes import SELFTEST_OUTPUT, FakeServer, FakeVllm, free_port, startup_log  # noqa: E402
 
 docker = pytest.importorskip("docker", reason="the Docker SDK (`docker`) is in the dev lock")
 from docker.errors import APIError, DockerException, NotFound  # noqa: E402
@@ -88,6 +88,8 @@ class FakeContainer:
         self.execs.append(argv)
         if argv[-1] == "verify":
             return 0, b"3 files match the receipt"
+        if "selftest" in argv:
+            return 0, SELFTEST_OUTPUT.encode()
         return 127, b"not found"
 
     def get_archive(self, path):
@@ -268,6 +270,9 @@ if sys.argv[1:] == ["verify"]:
     print("stand-in verify: the overlay matches the receipt")
     sys.exit(0)
 import test_smoke_fakes as fakes
+if sys.argv[1:2] == ["selftest"]:
+    print(fakes.SELFTEST_OUTPUT, end="")
+    sys.exit(0)
 time.sleep(float(os.environ.get("STAND_IN_START_DELAY", "0")))
 for line in fakes.startup_log("FLASHMLA_SPARSE", "deepgemm"):
     print(line, flush=True)
@@ -322,7 +327,9 @@ def test_stand_in_passes_every_check_through_the_real_engine(docker_client, stan
     assert done.returncode == 0, {c["name"]: c["reason"] for c in report["checks"] if not c["passed"]}
     assert report["image"]["id"] == docker_client.images.get(image).id
     assert report["image"]["labels"]["dsa-image.target"] == "sm90"
-    assert report["checks"][-2]["details"]["output"] == "stand-in verify: the overlay matches the receipt"
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["overlay_verify"]["details"]["output"] == "stand-in verify: the overlay matches the receipt"
+    assert checks["indexer_selftest"]["passed"] and "decode-bs32" in checks["indexer_selftest"]["details"]["table"]
     assert "Application startup complete." in (tmp_path / "out" / "server.log").read_text()
     assert smoke_containers(docker_client) == before
 

@@ -17,7 +17,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_smoke_fakes import FakeServer, FakeVllm, free_port, make_fake_vllm_site, pid_alive, startup_log  # noqa: E402
+from test_smoke_fakes import (SELFTEST_OUTPUT, FakeServer, FakeVllm, free_port, make_fake_vllm_site, pid_alive,  # noqa: E402
+                             startup_log)
 
 from dsa_image import tiny_model  # noqa: E402
 from dsa_image.recipe import load_recipe  # noqa: E402
@@ -43,12 +44,13 @@ class ScriptedServer:
     verify_command = "overlay.py verify"
 
     def __init__(self, base_url="http://127.0.0.1:9", start_error=None, exit_after_polls=None,
-                 log="", verify=(0, "ok"), on_start=None):
+                 log="", verify=(0, "ok"), on_start=None, selftest=(0, SELFTEST_OUTPUT)):
         self.base_url = base_url
         self.start_error = start_error
         self.exit_after_polls = exit_after_polls
         self.log = log
         self.verify = verify
+        self.selftest = selftest
         self.on_start = on_start
         self.polls = 0
         self.stops = 0
@@ -72,6 +74,9 @@ class ScriptedServer:
 
     def run_verify(self):
         return self.verify
+
+    def run_selftest(self):
+        return self.selftest
 
     def receipt(self):
         return {"schema": 1, "recipe": "glm5-dsa", "vllm_version": "0.24.0", "manifest_sha256": "ab" * 32,
@@ -117,7 +122,7 @@ def test_a_failed_verify_fails_the_run(tmp_path):
     with FakeServer(FakeVllm()) as fake:
         report, written = smoke(ScriptedServer(fake.base_url, log=log, verify=(1, "vllm/envs.py differs")), tmp_path)
     assert written["passed"] is False and written["failed_checks"] == ["overlay_verify"]
-    assert "vllm/envs.py differs" in written["checks"][-2]["reason"]
+    assert "vllm/envs.py differs" in {c["name"]: c for c in written["checks"]}["overlay_verify"]["reason"]
     assert "DSA sparse indexer kernels" in written["log_tail"]
 
 
@@ -268,10 +273,13 @@ def test_local_runtime_runs_every_check_and_kills_the_process_group(tmp_path, fa
     out, err = proc.communicate(timeout=180)
     report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
     checks = {c["name"]: c for c in report["checks"]}
-    # The fake has no overlay receipt: verify must run the real tool and fail, nothing else.
-    assert report["failed_checks"] == ["overlay_verify"], err
+    # The fake has no overlay receipt and this Python no torch: verify and the self-test must run
+    # the real tools and fail, nothing else.
+    assert report["failed_checks"] == ["overlay_verify", "indexer_selftest"], err
     assert proc.returncode == 1
     assert "receipt" in checks["overlay_verify"]["reason"]
+    assert "selftest exited 5" in checks["indexer_selftest"]["reason"], checks["indexer_selftest"]["reason"]
+    assert "needs the environment that serves" in checks["indexer_selftest"]["reason"]
     assert report["python"]["executable"] == sys.executable and report["versions"]["vllm_installed"] == "0.24.0"
     argv = json.loads(Path(files["FAKE_VLLM_ARGV_FILE"]).read_text())
     model = report["model"]
@@ -336,3 +344,17 @@ def test_usage_errors_exit_2(tmp_path):
                               text=True, cwd=tmp_path)
         assert done.returncode == 2, (argv, done.stderr)
     assert "unknown target 'sm999'" in done.stderr
+
+
+def test_a_selftest_mismatch_fails_its_check_and_shows_the_table(tmp_path):
+    """The image's indexer self-test is part of every smoke run: a mismatch fails the run,
+    with the self-test's table in the reason and the report."""
+    table = ("| case | kernel | shapes | max error | top-k agreement (min row) | time | result |\n"
+             "| prefill-long | fp8_mqa_logits + top_k_per_row_prefill | 2048 rows | 2.3e-04 | 99.62% (6.49%) | 0.87 ms "
+             "| MISMATCH: row 0 |\nSELFTEST: MISMATCH\n")
+    with FakeServer(FakeVllm()) as fake:
+        log = "\n".join(startup_log("FLASHMLA_SPARSE", "deepgemm"))
+        report, written = smoke(ScriptedServer(fake.base_url, log=log, selftest=(1, table)), tmp_path)
+    assert written["passed"] is False and written["failed_checks"] == ["indexer_selftest"]
+    reason = {c["name"]: c for c in written["checks"]}["indexer_selftest"]["reason"]
+    assert "selftest exited 1" in reason and "MISMATCH: row 0" in reason

@@ -264,6 +264,20 @@ def check_verify(run_verify: Callable[[], tuple[int, str]], command: str) -> Che
     return run_check("overlay_verify", body)
 
 
+def check_selftest(run_selftest: Callable[[], tuple[int, str]]) -> Check:
+    """The image's indexer self-test on this GPU (dsa_image.selftest): its table goes in the report."""
+    def body():
+        code, output = run_selftest()
+        lines = output.splitlines()
+        table = "\n".join(line for line in lines if line.startswith("|"))
+        doc = next((json.loads(line) for line in reversed(lines) if line.startswith("{")), None)
+        if code != 0:
+            raise CheckFailed(f"selftest exited {code}:\n{table or output.strip()[-1500:]}")
+        return "the indexer kernels agree with the torch reference", {"table": table, "selftest": doc}
+
+    return run_check("indexer_selftest", body)
+
+
 def run_http_checks(client: Client, served_name: str) -> list[Check]:
     """The checks against a healthy server, in an order where later ones reuse earlier answers."""
     completions = Completions(client, served_name)
@@ -278,4 +292,4 @@ def run_http_checks(client: Client, served_name: str) -> list[Check]:
 
 
 HTTP_CHECKS = ("models", "completion_short", "completion_long", "deterministic", "stream", "chat")
-ALL_CHECKS = ("server_healthy",) + HTTP_CHECKS + ("overlay_verify", "backends")
+ALL_CHECKS = ("server_healthy",) + HTTP_CHECKS + ("overlay_verify", "indexer_selftest", "backends")

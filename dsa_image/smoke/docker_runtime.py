@@ -184,6 +184,11 @@ class DockerServer:
     def run_verify(self) -> tuple[int, str]:
         return self._exec(self.verify_argv())
 
+    def run_selftest(self) -> tuple[int, str]:
+        """The image's `selftest` mode, exec'd in the serving container (same GPU, same image)."""
+        entrypoint = self._image().attrs.get("Config", {}).get("Entrypoint") or []
+        return self._exec([*entrypoint, "selftest", "--json", "-"])
+
     def receipt(self) -> dict | None:
         """The image's overlay receipt, copied out of the container: works whether it runs,
         exited, or was created and never started."""

@@ -82,6 +82,15 @@ class LocalServer:
         done = subprocess.run(self.verify_argv, capture_output=True, text=True, env=self.env, cwd="/", timeout=600)
         return done.returncode, done.stdout + done.stderr
 
+    def run_selftest(self) -> tuple[int, str]:
+        """dsa_image.selftest with the served environment's vLLM first on the path, then this
+        checkout (for dsa_image itself); cwd "/" as for the server."""
+        paths = [str(p) for p in (self._site(), REPO) if p]
+        env = {**self.env, "PYTHONPATH": os.pathsep.join(paths)}
+        done = subprocess.run([self.python, "-m", "dsa_image.selftest", "--json", "-"], capture_output=True,
+                              text=True, env=env, cwd="/", timeout=900)
+        return done.returncode, done.stdout + done.stderr
+
     def _site(self) -> Path | None:
         if self.site_packages:
             return Path(self.site_packages)

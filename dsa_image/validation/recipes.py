@@ -16,7 +16,8 @@ Per run: the server's time to /health, a short and a 3000-token greedy completio
 answer with text), and a chat completion with a tool offered (recorded: it exercises the
 recipe's tool-call and reasoning parsers on the tiny tokenizer, which has none of GLM's
 <think>/<tool_call> tokens). Writes DIR/<run>.json, DIR/<run>.log and DIR/summary.json (gathered
-across calls); exits 0 when every run of this call served and answered. Stdlib only, like the other validation scripts.
+across calls); exits 0 when every run of this call served and answered, 2 without starting a server
+when --port already accepts connections (a server left by an earlier call would answer instead). Stdlib only, like the other validation scripts.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -207,36 +210,68 @@ def _healthy(port: int) -> bool:
         return False
 
 
+class PortBusy(RuntimeError):
+    """The port already accepts connections: a server (one left by an earlier, killed call?) would
+    answer in place of the one this call starts."""
+
+
+def port_accepts(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2)
+        return sock.connect_ex((host, port)) == 0
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout: float, poll_s: float = 2) -> float:
+    """Seconds until /health answers from the server `proc` started. An answer counts only while
+    that process is alive and has written to its log: anything else is another server's answer."""
+    started = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before /health answered")
+        if _healthy(port) and proc.poll() is None and log_path.stat().st_size > 0:
+            return round(time.monotonic() - started, 1)
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"not healthy after {timeout:.0f} s")
+        time.sleep(poll_s)
+
+
+def fresh_home(home: Path) -> Path:
+    """An empty HOME for one run. One kept from an earlier run is removed: its compile caches may
+    be half-written (a killed call), and its DeepGEMM JIT cache directory made vLLM's
+    `import deep_gemm` find an empty namespace package and report DeepGEMM unavailable."""
+    if home.exists():
+        shutil.rmtree(home)
+    home.mkdir(parents=True)
+    return home
+
+
 def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, site: str | None, port: int,
               timeout: float) -> dict:
     served = run.args[run.args.index("--served-model-name") + 1]
     args = list(run.args)
     args[args.index("--port") + 1] = str(port)
-    # Compile caches (DeepGEMM, Triton, vLLM) per run, outside the results: a JIT cache reused
-    # from a stopped server once made the next one report DeepGEMM unavailable (serving.py).
-    home = work / f"home-{run.name}"
-    home.mkdir(parents=True, exist_ok=True)
+    if port_accepts(port):
+        raise PortBusy(f"port {port} already accepts connections before {run.name}'s server is started: another "
+                       f"server (one left running by an earlier call?) would answer for it; stop it or pass --port")
+    # Compile caches (DeepGEMM, Triton, vLLM) per run, outside the results, from empty each run.
+    # The server runs in HOME with `python -m`, so HOME is on its sys.path: the DeepGEMM JIT cache
+    # must not be HOME/deep_gemm, which `import deep_gemm` would find as an empty namespace
+    # package (vLLM then reports "DeepGEMM backend is unavailable").
+    home = fresh_home(work / f"home-{run.name}")
     env = {**os.environ, **run.env, "HOME": str(home), "VLLM_CACHE_ROOT": str(home / "vllm"),
-           "DG_JIT_CACHE_DIR": str(home / "deep_gemm"), "TRITON_CACHE_DIR": str(home / "triton")}
+           "DG_JIT_CACHE_DIR": str(home / "cache" / "deep_gemm"), "TRITON_CACHE_DIR": str(home / "triton")}
     if site:
         env["PYTHONPATH"] = site
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *args]
     result = {"run": run.name, "recipes": list(run.recipes), "command": cmd[3:], "env": run.env,
               "changes": [asdict(c) for c in run.changes]}
     log_path = out / f"{run.name}.log"
-    started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=home,
                                 start_new_session=True)
         server = {"proc": proc}
         try:
-            while not _healthy(port):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {proc.returncode} before /health answered")
-                if time.monotonic() - started > timeout:
-                    raise TimeoutError(f"not healthy after {timeout:.0f} s")
-                time.sleep(2)
-            result["healthy_after_s"] = round(time.monotonic() - started, 1)
+            result["healthy_after_s"] = wait_healthy(proc, port, log_path, timeout)
             batch = prompts()
             short, long_ = batch[0][:SHORT_PROMPT], batch[3][:LONG_PROMPT]
             result["short"] = completion(port, served, short)
@@ -299,8 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="dsa-recipes-"))
     models = prepare_models(work / "models")
-    results = [serve_one(run, models[run.mtp], args.out, work, args.python, args.site_packages, args.port,
-                         args.timeout) for run in runs]
+    try:
+        results = [serve_one(run, models[run.mtp], args.out, work, args.python, args.site_packages, args.port,
+                             args.timeout) for run in runs]
+    except PortBusy as exc:
+        print(f"RECIPES: refused: {exc}", file=sys.stderr)
+        return 2
     # One device call may serve only some runs (--only): summary.json gathers them across calls.
     summary_path = args.out / "summary.json"
     previous = json.loads(summary_path.read_text())["runs"] if summary_path.is_file() else []

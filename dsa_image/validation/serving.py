@@ -44,14 +44,17 @@ def prompts(vocab_size: int = 1024, seed: int = 7) -> list[list[int]]:
 
 def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
                  max_model_len=8192, python=None, env_extra=None):
-    # A HOME (compile caches) each: a DeepGEMM JIT cache reused from a server
-    # that was stopped made the next one report DeepGEMM unavailable (seen on
-    # the H200, 2026-11-30). The benchmark and the warm-start measurement pass
-    # their own HOME to keep (or empty) one server's caches across starts.
+    # A HOME (compile caches) each; the benchmark and the warm-start measurement
+    # pass their own HOME to keep (or empty) one server's caches across starts.
+    # The DeepGEMM cache must not be HOME/deep_gemm: `python -m` puts the cwd
+    # (HOME) first on sys.path, vLLM tries `import deep_gemm` before its bundled
+    # copy, and an existing HOME/deep_gemm directory imports as an empty namespace
+    # package: "DeepGEMM backend is unavailable" on the second start (H200,
+    # 2026-11-30; tests/test_validation_logs.py has the real log).
     home = home or f"/tmp/home-{name}"
     os.makedirs(home, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=site, HOME=home, VLLM_CACHE_ROOT=f"{home}/vllm",
-               DG_JIT_CACHE_DIR=f"{home}/deep_gemm", TRITON_CACHE_DIR=f"{home}/triton",
+               DG_JIT_CACHE_DIR=f"{home}/cache/deep_gemm", TRITON_CACHE_DIR=f"{home}/triton",
                **(env_extra or {}))
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
            "--port", str(port), "--served-model-name", SERVED_NAME,
@@ -132,6 +135,51 @@ def compare(a: dict, b: dict, lengths=PROMPT_LENGTHS) -> dict:
 def jit_kernels_during_inference(log_path: str) -> list[str]:
     with open(log_path, errors="replace") as f:
         return sorted({m.group(1) for m in JIT_LINE.finditer(f.read())})
+
+
+# -- errors in a server's log ------------------------------------------------------------------
+# One scan for every harness that reads a vLLM server's log (b12x_serving, serving_modes).
+# Counted: vLLM's ERROR/CRITICAL log lines, Python tracebacks and the exception lines that end
+# them. Not counted: a WARNING or INFO line that merely names an exception (vLLM's start-up
+# "Found ulimit ... fd limit errors like `OSError: [Errno 24] Too many open files`" advisory),
+# and anything after the shutdown that a signal started (the harness stops every server with
+# SIGTERM; vLLM then logs e.g. EngineDeadError from the API server's output handler).
+
+_PROCESS = r"(?:\([\w.-]+ pid=\d+\) )?"  # "(APIServer pid=4855) ", "(EngineCore pid=5099) "
+_LEVELLED = re.compile(_PROCESS + r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? "
+                       r"\[[^\]]*\] ?(.*)")
+_UVICORN = re.compile(_PROCESS + r"(DEBUG|INFO|WARNING|ERROR|CRITICAL):\s+(.*)")
+_EXCEPTION = re.compile(r"(?:[A-Za-z_][\w]*\.)*(\w+(?:Error|Exception|Exit|Interrupt): .*|\w+(?:Error|Exception))$")
+_TRACEBACK = "Traceback (most recent call last):"
+# vLLM 0.24.0's signal handlers (v1/engine/core.py, entrypoints/launcher.py).
+SHUTDOWN_TRIGGER = re.compile(r"\[shutdown\] (?:EngineCore: trigger received signal=|API server: shutdown triggered)")
+
+
+def log_errors(text: str) -> list[str]:
+    """The distinct errors a vLLM server logged before a signal started its shutdown, sorted."""
+    errors, in_traceback = set(), False
+    for line in text.splitlines():
+        if SHUTDOWN_TRIGGER.search(line):
+            break
+        levelled = _LEVELLED.match(line) or _UVICORN.match(line)
+        if levelled:
+            level, body = levelled.groups()
+            if level not in ("ERROR", "CRITICAL"):
+                continue
+        else:
+            body = re.sub("^" + _PROCESS, "", line)
+        if body.startswith(_TRACEBACK):
+            in_traceback = True
+            continue
+        exception = _EXCEPTION.match(body)
+        if exception:
+            errors.add(exception.group(1))
+            in_traceback = False
+        elif levelled and body and not body[0].isspace():
+            errors.add(body)  # an ERROR line of its own, e.g. "EngineCore failed to start."
+    if in_traceback:
+        errors.add(f"{_TRACEBACK} (no exception line followed)")
+    return sorted(errors)
 
 
 def stop(server) -> None:

@@ -249,7 +249,6 @@ LOG_FACTS = {
     "kv_cache_format": re.compile(r"Using (\S+) KV cache format"),
     "block_table_growth": re.compile(r"DSA indexer: growing the expanded block table (.*)"),
     "attention_backend": re.compile(r"Using (\S+) attention backend"),
-    "errors": re.compile(r"((?:\w+Error|\w+Exception): .*)"),
 }
 
 
@@ -257,7 +256,7 @@ def log_facts(log_path: str) -> dict:
     with open(log_path, errors="replace") as f:
         text = f.read()
     facts = {name: sorted(set(pattern.findall(text))) for name, pattern in LOG_FACTS.items()}
-    facts["errors"] = facts["errors"][:10]
+    facts["errors"] = serving.log_errors(text)[:10]
     return facts
 
 
