@@ -49,7 +49,9 @@ class Endpoint:
         return f"{self.scheme}://{host}:{self.port}/health"
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over vLLM's --uds socket (also used by dsa_image.warmup)."""
+
     def __init__(self, path: str, timeout: float):
         super().__init__("localhost", timeout=timeout)
         self._path = path
@@ -121,7 +123,7 @@ def find_server(proc: Path = PROC) -> list[str]:
 def probe(endpoint: Endpoint, timeout: float = TIMEOUT_S) -> str | None:
     """None when GET /health answers 200, else why not."""
     if endpoint.uds:
-        connection = _UnixHTTPConnection(endpoint.uds, timeout)
+        connection = UnixHTTPConnection(endpoint.uds, timeout)
         try:
             connection.request("GET", "/health")
             status = connection.getresponse().status

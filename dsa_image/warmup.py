@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .healthcheck import UnixHTTPConnection
+
 MARKER_ENV = "DSA_IMAGE_WARM_MARKER"
 PROC = Path("/proc")
 # Ids every tokenizer of a real model has as ordinary tokens (the tiny GLM-5's specials are
@@ -105,20 +107,9 @@ def serve_endpoint(argv: list[str], environ: dict[str, str]) -> Endpoint:
 # -- HTTP ---------------------------------------------------------------------------------------
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float):
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self._path)
-
-
 def _connection(endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
     if endpoint.uds:
-        return _UnixHTTPConnection(endpoint.uds, timeout)
+        return UnixHTTPConnection(endpoint.uds, timeout)
     url = urllib.parse.urlsplit(endpoint.base_url)
     if url.scheme == "https":
         # Our own server on loopback: its certificate names a public host, not 127.0.0.1.
