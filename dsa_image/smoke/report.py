@@ -4,12 +4,11 @@ came up (then the failing check says why and the report carries the log's tail).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsa_image.atomic import write_atomic
 from dsa_image.smoke.checks import Check
 
 SCHEMA = 1
@@ -102,10 +101,5 @@ def write_report(out_dir: Path, report: Report, log: str) -> Path:
     report.finished_at = report.finished_at or utc_now()
     (out_dir / LOG_NAME).write_text(log, errors="replace")
     path = out_dir / REPORT_NAME
-    fd, tmp = tempfile.mkstemp(prefix=".smoke-report.", dir=out_dir)
-    with os.fdopen(fd, "w") as f:
-        json.dump(report.as_dict(log), f, indent=2, allow_nan=True)
-        f.write("\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps(report.as_dict(log), indent=2, allow_nan=True) + "\n").encode(), mode=0o644)
     return path
