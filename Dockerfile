@@ -39,11 +39,15 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_INPUT=1
 # g++: nvcc needs a host compiler, and DeepGEMM / FlashInfer / Triton compile at run time.
 # pythonX.Y-dev: Triton builds its launcher against Python.h at run time.
+# libibverbs1, ibverbs-providers (mlx5 & co), librdmacm1: the RDMA user space NCCL's IB/RoCE
+# transport loads across nodes (the ConnectX link between DGX Sparks); without them NCCL falls
+# back to TCP sockets.
 RUN if [[ -z "${PYTHON_VERSION}" ]]; then \
         echo "PYTHON_VERSION is empty: build with 'docker buildx bake' (it passes the recipe's pins)" >&2; exit 1; fi; \
     apt-get update; \
     apt-get install -y --no-install-recommends ca-certificates g++ \
-        "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-dev" "python${PYTHON_VERSION}-venv"; \
+        "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-dev" "python${PYTHON_VERSION}-venv" \
+        libibverbs1 ibverbs-providers librdmacm1; \
     rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /var/log/apt /var/log/dpkg.log; \
     "python${PYTHON_VERSION}" -m venv /opt/venv
 ENV PATH=/opt/venv/bin:${PATH}
@@ -214,6 +218,9 @@ ARG DEFAULT_MODEL
 ARG PORT
 RUN [[ -n "${DEFAULT_MODEL}" && -n "${PORT}" ]] || { echo "DEFAULT_MODEL/PORT empty: build with 'docker buildx bake'" >&2; exit 1; }; \
     useradd --create-home --home-dir /home/vllm --uid 1000 --user-group --shell /usr/sbin/nologin vllm; \
+    printf '#!/bin/sh\n# The entrypoint by name, for docker exec (serve from a ray-head container).\nexec /usr/bin/env PYTHONPATH=/opt/dsa-image/tool /opt/venv/bin/python -m dsa_image.entrypoint "$@"\n' \
+        > /usr/local/bin/dsa-image; \
+    chmod 755 /usr/local/bin/dsa-image; \
     install -d -o vllm -g vllm /home/vllm/.cache /home/vllm/.cache/deep_gemm /home/vllm/.cache/triton
 COPY --from=tiny-model /tiny-glm5 ${DEFAULT_MODEL}
 # Run-time JIT caches (DeepGEMM, FlashInfer under ~/.cache, Triton, vLLM) in the user's home.

@@ -5,6 +5,7 @@
     docker run IMAGE serve [ARGS...]     the same, named explicitly; `serve --help`: vLLM's flags
     docker run IMAGE verify              verify the overlay and the receipt, then exit
     docker run IMAGE recipe --list       the serving recipes and their memory plans
+    docker run IMAGE ray-head | ray-worker HEAD_IP   a Ray node for serving across nodes
     docker run --gpus all IMAGE selftest the indexer kernels of this GPU against a torch reference
     docker run IMAGE --help              modes, the defaults serve adds, the environment
 
@@ -219,6 +220,45 @@ def _selftest(args: list[str], environ: dict[str, str]) -> Plan:
                 gpu_for="" if _asks_for_help(args) else "the self-test runs the indexer kernels on it")
 
 
+# -- Ray cluster modes (vLLM's examples/online_serving/run_cluster.sh, as one image) ----------
+
+RAY_PORT = "RAY_PORT"
+DEFAULT_RAY_PORT = "6379"
+# What multi-node serving reads from the environment; the container passes every variable on
+# unchanged (exec keeps the environment), --help lists these so users know to set them.
+CLUSTER_ENV = {
+    "VLLM_HOST_IP": "this node's address on the link between nodes (Ray's --node-ip-address too)",
+    "NCCL_SOCKET_IFNAME": "the network interface NCCL bootstraps over (e.g. the ConnectX one)",
+    "GLOO_SOCKET_IFNAME": "the same for gloo (torch.distributed's CPU groups)",
+    "NCCL_IB_HCA": "which RDMA devices NCCL uses (e.g. mlx5_0)",
+    "NCCL_IB_DISABLE": "1: no RDMA, NCCL over TCP sockets",
+    RAY_PORT: f"the head's GCS port (default {DEFAULT_RAY_PORT})",
+}
+
+
+def _node_ip(environ: dict[str, str]) -> list[str]:
+    ip = environ.get("VLLM_HOST_IP", "")
+    return [f"--node-ip-address={ip}"] if ip else []
+
+
+def _ray_head(args: list[str], environ: dict[str, str]) -> Plan:
+    port = environ.get(RAY_PORT) or DEFAULT_RAY_PORT
+    argv = ["ray", "start", "--head", f"--port={port}", *_node_ip(environ), "--block", *args]
+    return Plan(argv, log=f"dsa-image: Ray head on port {port}: {' '.join(argv)}; then, in this container: "
+                          "docker exec -it CONTAINER dsa-image serve MODEL --distributed-executor-backend ray ...",
+                gpu_for="a Ray node offers this node's GPUs to vLLM")
+
+
+def _ray_worker(args: list[str], environ: dict[str, str]) -> Plan:
+    if not args or args[0].startswith("-"):
+        raise UsageError("`ray-worker` needs the head's address first: ray-worker HEAD_IP[:PORT] [ray start flags]")
+    head, rest = args[0], args[1:]
+    address = head if ":" in head else f"{head}:{environ.get(RAY_PORT) or DEFAULT_RAY_PORT}"
+    argv = ["ray", "start", f"--address={address}", *_node_ip(environ), "--block", *rest]
+    return Plan(argv, log=f"dsa-image: Ray worker joining {address}: {' '.join(argv)}",
+                gpu_for="a Ray node offers this node's GPUs to vLLM")
+
+
 def _recipe(args: list[str], environ: dict[str, str]) -> Plan:
     # Imported here: only this mode needs the recipe runner and its memory plan.
     from . import serving_recipes
@@ -253,6 +293,11 @@ MODES: dict[str, Mode] = {
                    "a serving recipe (recipes/serve/): --list and --dry-run print the memory plan and the "
                    "docker / vllm commands per node, no GPU needed; NAME serves it in this container (one "
                    "node). Refused: exit 4 (layout: memory, TP/PP, cluster-only), 5 (another image target)"),
+    "ray-head": Mode(_ray_head, "[RAY START FLAGS...]",
+                     "start a Ray head for serving across nodes (blocks; VLLM_HOST_IP, RAY_PORT); then serve "
+                     "from it with --distributed-executor-backend ray (docs/cluster.md)"),
+    "ray-worker": Mode(_ray_worker, "HEAD_IP[:PORT] [RAY START FLAGS...]",
+                       "join this node's GPUs to the Ray head at HEAD_IP (blocks)"),
     "help": Mode(_help, "", "this text (also -h, --help); no GPU needed"),
 }
 
@@ -308,6 +353,8 @@ def usage(environ: dict[str, str]) -> str:
     lines += _defaults_text(environ)
     lines += ["", "environment:"]
     lines += [f"  {name:<24} {what}" for name, what in IMAGE_ENV.items()]
+    lines += ["", "across nodes (passed on unchanged; set them with docker run -e):"]
+    lines += [f"  {name:<24} {what}" for name, what in CLUSTER_ENV.items()]
     lines += [f"  {SKIP_GPU_CHECK:<24} 1: serve without first checking that a GPU is visible",
               f"  {'NVIDIA_VISIBLE_DEVICES':<24} which GPUs the NVIDIA runtime mounts (the image says all; --gpus picks)",
               f"  {'CUDA_VISIBLE_DEVICES':<24} which of those vLLM uses",

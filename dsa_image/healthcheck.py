@@ -148,10 +148,37 @@ def probe(endpoint: Endpoint, timeout: float = TIMEOUT_S) -> str | None:
     return None if status == 200 else f"GET {endpoint.url}: HTTP {status}"
 
 
+def ray_node_args(cmdline: list[str]) -> list[str] | None:
+    """The flags of `ray start` (the image's ray-head / ray-worker modes), or None."""
+    for i in range(len(cmdline) - 1):
+        if Path(cmdline[i]).name == "ray" and cmdline[i + 1] == "start":
+            return cmdline[i + 2:]
+    return None
+
+
+def ray_node_problem(args: list[str], timeout: float = TIMEOUT_S) -> str | None:
+    """A Ray node is up while its `ray start --block` runs (it is PID 1: the container ends with
+    it); the head, also when its GCS port takes connections."""
+    if "--head" not in args:
+        return None
+    port = int(_flag(args, "--port") or 6379)
+    host = _flag(args, "--node-ip-address") or "127.0.0.1"
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"the Ray head's GCS at {host}:{port} does not answer ({exc})"
+    return None
+
+
 def main(proc: Path = PROC) -> int:
     try:
         endpoint = endpoint_of(find_server(proc))
     except (NoServer, ValueError) as exc:
+        ray = ray_node_args(read_cmdline(proc / "1")) if (proc / "1").is_dir() else None
+        if ray is not None:  # a Ray node of the cluster modes, serving nothing itself (yet)
+            problem = ray_node_problem(ray)
+            print(f"unhealthy: {problem}" if problem else "healthy: Ray node (ray start) running")
+            return 1 if problem else 0
         print(f"unhealthy: {exc}")
         return 1
     problem = probe(endpoint)

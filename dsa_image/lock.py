@@ -4,7 +4,8 @@ It fills the recipe's wheel sha256 from the downloaded wheels, tries the base im
 generates the resolver inputs (recipes/requirements/*.in) from the recipe and runs the real
 resolver (uv pip compile --generate-hashes) into recipes/locks/:
 
-  vllm-<arch>.txt      vLLM + the CUDA toolkit pins, shared by every target (one per arch)
+  vllm-<arch>.txt      vLLM + the CUDA toolkit pins + the cluster packages (Ray), shared by
+                       every target (one per arch)
   <target>-<arch>.txt  the common lock plus the target's extras, for targets with extras,
                        resolved with the common lock as constraints so that it never moves a
                        pin of the common lock (the Dockerfile installs it on top)
@@ -82,7 +83,8 @@ def target_lock(target: Target, arch: str) -> Path:
 def requirement_files(recipe: Recipe) -> dict[Path, str]:
     """Every resolver input, generated from the recipe: {repo-relative path: text}."""
     header = _GENERATED.format(recipe=recipe.id)
-    files = {common_in(): header + "".join(f"{pin}\n" for pin in (f"vllm=={recipe.vllm_version}", *recipe.cuda_toolkit))}
+    common = (f"vllm=={recipe.vllm_version}", *recipe.cuda_toolkit, *recipe.cluster_packages)
+    files = {common_in(): header + "".join(f"{pin}\n" for pin in common)}
     for target in recipe.targets.values():
         if not target.extras:
             continue
@@ -536,7 +538,7 @@ def lock_problems(recipe: Recipe, root: Path = REPO_ROOT) -> list[str]:
             continue
         common = _by_name(scans[common_path])
         problems += _expect_pin(common, f"{VLLM}=={recipe.vllm_version}", common_path)
-        for pin in (*recipe.cuda_toolkit, *torch_pins):
+        for pin in (*recipe.cuda_toolkit, *recipe.cluster_packages, *torch_pins):
             problems += _expect_pin(common, pin, common_path)
         for target in recipe.targets.values():
             path = target_lock(target, arch)

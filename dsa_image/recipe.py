@@ -85,6 +85,7 @@ class Recipe:
     base_digest: str  # "" when not locked
     python: str
     cuda_toolkit: tuple[str, ...]
+    cluster_packages: tuple[str, ...]  # in every image's common lock: serving across nodes
     serving: dict[str, Any]
     targets: dict[str, Target]
 
@@ -189,6 +190,10 @@ def parse_recipe(recipe_id: str, path: Path, raw: dict[str, Any]) -> Recipe:
     for pin in toolkit:
         _check(bool(_PIN.fullmatch(pin)), f"{where}: cuda.toolkit entry {pin!r} is not name==version")
 
+    cluster = _str_list(_need(raw, "cluster", dict, where), "packages", f"{where}: cluster")
+    for pin in cluster:
+        _check(bool(_PIN.fullmatch(pin)), f"{where}: cluster.packages entry {pin!r} is not name==version")
+
     targets_raw = _need(raw, "targets", dict, where)
     _check(bool(targets_raw), f"{where}: no [targets.*] section")
     targets = {tid: _parse_target(tid, t, raw, wheels, where) for tid, t in targets_raw.items()}
@@ -202,6 +207,7 @@ def parse_recipe(recipe_id: str, path: Path, raw: dict[str, Any]) -> Recipe:
         base_digest=digest,
         python=_need(base, "python", str, f"{where}: base"),
         cuda_toolkit=toolkit,
+        cluster_packages=cluster,
         serving=_need(raw, "serving", dict, where),
         targets=targets,
     )

@@ -608,10 +608,12 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
         for rank, address in enumerate(addresses):
             role = "head" if rank == 0 else "worker"
             container = f"{name}-{role}" if rank == 0 else f"{name}-worker{rank}"
-            mode = ["ray-head", "--port", str(RAY_PORT)] if rank == 0 else ["ray-worker", "--address",
-                                                                            f"{head}:{RAY_PORT}"]
+            # The image's modes (dsa_image/entrypoint.py): the head's port through RAY_PORT, a
+            # worker names the head first.
+            node_env = {"VLLM_HOST_IP": address, **({"RAY_PORT": str(RAY_PORT)} if rank == 0 else {})}
+            mode = ["ray-head"] if rank == 0 else ["ray-worker", f"{head}:{RAY_PORT}"]
             docker = ["docker", "run", "-d", "--rm", "--name", container, *common, "--network", "host",
-                      *env_flags({"VLLM_HOST_IP": address}), image, *mode]
+                      *env_flags(node_env), image, *mode]
             then = ["docker", "exec", f"{name}-head", *serve] if rank == 0 else []
             nodes.append(Node(rank, address, role, docker, then, detached=True))
         return Launch(recipe, target, image, serve, env, tuple(nodes), plan, tuple(notes))

@@ -185,6 +185,19 @@ def test_selftest_help_and_the_recipe_list_work_without_a_gpu(docker_client, run
     assert code == 0 and "tiny-glm5" in out and "Traceback" not in out, out
 
 
+def test_the_cluster_parts_are_in_the_image(docker_client, runtime_image):
+    """Ray (the recipe's pin, for vLLM's Ray executor), the RDMA user space NCCL loads for
+    InfiniBand/RoCE, and `dsa-image` on PATH for `docker exec` into a ray-head container."""
+    ray_pin = next(p for p in RECIPE.cluster_packages if p.startswith("ray=="))
+    code, out = _run(docker_client, runtime_image, "--version", entrypoint="ray")
+    assert code == 0 and ray_pin.split("==")[1] in out, out
+    code, out = _run(docker_client, runtime_image, "-c", "ldconfig -p | grep -E 'libibverbs.so.1|librdmacm.so.1'; "
+                     "ls /usr/lib/*/libibverbs/ | grep -c mlx5", entrypoint="sh")
+    assert code == 0 and "libibverbs.so.1" in out and "librdmacm.so.1" in out, out
+    code, out = _run(docker_client, runtime_image, "--help", entrypoint="dsa-image")
+    assert code == 0 and "\n  ray-head" in out and "\n  ray-worker HEAD_IP" in out, out
+
+
 def test_verify_with_an_argument_is_a_usage_error(docker_client, runtime_image):
     code, out = _run(docker_client, runtime_image, "verify", "extra")
     assert code == 2 and "`verify` takes no arguments" in out and "Traceback" not in out, out

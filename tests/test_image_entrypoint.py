@@ -303,3 +303,30 @@ def test_the_gpu_check_reads_the_drivers_answers(fake_libcuda, monkeypatch, cuin
         assert problem is None
     else:
         assert problem and expected in problem and "\n" not in problem
+
+
+def test_ray_head_starts_a_blocking_head_on_this_nodes_address_and_needs_a_gpu():
+    plan = entrypoint.plan(["ray-head", "--num-gpus=1"], {**ENVIRON, "VLLM_HOST_IP": "192.0.2.10", "RAY_PORT": "6380"})
+    assert plan.argv == ["ray", "start", "--head", "--port=6380", "--node-ip-address=192.0.2.10", "--block",
+                         "--num-gpus=1"]
+    assert plan.gpu_for and "--distributed-executor-backend ray" in plan.log
+
+
+def test_ray_worker_joins_the_head_given_first_with_the_default_port():
+    plan = entrypoint.plan(["ray-worker", "192.0.2.10"], {**ENVIRON, "VLLM_HOST_IP": "192.0.2.11"})
+    assert plan.argv == ["ray", "start", "--address=192.0.2.10:6379", "--node-ip-address=192.0.2.11", "--block"]
+    no_ip = entrypoint.plan(["ray-worker", "192.0.2.10:7000"], ENVIRON)
+    assert no_ip.argv == ["ray", "start", "--address=192.0.2.10:7000", "--block"] and no_ip.gpu_for
+
+
+@pytest.mark.parametrize("args", [["ray-worker"], ["ray-worker", "--num-gpus=1"]])
+def test_ray_worker_without_the_heads_address_is_a_usage_error(args):
+    with pytest.raises(entrypoint.UsageError, match="needs the head's address"):
+        entrypoint.plan(args, ENVIRON)
+
+
+def test_help_shows_the_cluster_modes_and_the_variables_multi_node_serving_reads():
+    text = entrypoint.plan(["--help"], ENVIRON).output
+    assert "\n  ray-head" in text and "\n  ray-worker HEAD_IP" in text
+    for name in ("VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA", "RAY_PORT"):
+        assert name in text

@@ -160,3 +160,32 @@ def test_probe_over_vllms_unix_socket(tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+RAY = ["/opt/venv/bin/python", "/opt/venv/bin/ray", "start"]
+
+
+def test_a_ray_head_is_healthy_only_while_its_gcs_port_answers(tmp_path, capsys):
+    """The cluster modes run `ray start --block` as PID 1 and serve nothing themselves: the head
+    is healthy once its GCS port takes connections, not before."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        head = _fake_proc(tmp_path / "up", {1: [*RAY, "--head", f"--port={port}", "--block"]})
+        assert healthcheck.main(head) == 0
+        assert "healthy: Ray node" in capsys.readouterr().out
+    closed = _fake_proc(tmp_path / "down", {1: [*RAY, "--head", f"--port={_free_port()}", "--block"]})
+    assert healthcheck.main(closed) == 1
+    assert "Ray head's GCS" in capsys.readouterr().out
+
+
+def test_a_ray_worker_is_healthy_while_it_runs_and_vllm_serve_still_wins(server, tmp_path, capsys):
+    worker = _fake_proc(tmp_path / "worker", {1: [*RAY, "--address=10.0.0.1:6379", "--block"]})
+    assert healthcheck.main(worker) == 0
+    # On the head, once `vllm serve` runs beside the Ray node, its /health is what counts.
+    port, _ = server
+    head_serving = _fake_proc(tmp_path / "serving", {1: [*RAY, "--head", f"--port={_free_port()}", "--block"],
+                                                    42: [*VLLM, "m", "--port", str(port)]})
+    assert healthcheck.main(head_serving) == 0
+    assert f"healthy: http://127.0.0.1:{port}/health" in capsys.readouterr().out.splitlines()[-1]

@@ -381,8 +381,8 @@ def test_mp_cluster_runs_headless_workers(monkeypatch):
 def test_ray_cluster_follows_run_cluster_sh(monkeypatch):
     launch = cluster("ray", monkeypatch)
     head, workers = launch.nodes[0], launch.nodes[1:]
-    assert head.docker[-3:] == ["ray-head", "--port", "6379"]
-    assert all(w.docker[-3:] == ["ray-worker", "--address", "10.0.0.1:6379"] for w in workers)
+    assert head.docker[-1:] == ["ray-head"] and "RAY_PORT=6379" in head.docker
+    assert all(w.docker[-2:] == ["ray-worker", "10.0.0.1:6379"] for w in workers)
     assert head.then[:3] == ["docker", "exec", "dsa-glm-5.2-nvfp4-8xspark-head"]
     assert head.then[-2:] == ["--distributed-executor-backend", "ray"]
     assert any(f"VLLM_HOST_IP={w.address}" in w.docker for w in workers)
@@ -458,7 +458,7 @@ def test_image_mode_list_and_dry_run():
     listing = sr.image_mode(["--list"], IMAGE_ENV)
     assert listing.exit_code == 0 and "tiny-glm5" in listing.output and "sm90" not in listing.output
     dry = sr.image_mode(["glm-5.2-nvfp4-8xspark", "--dry-run"], IMAGE_ENV)
-    assert dry.exit_code == 0 and not dry.argv and "ray-worker --address HEAD_ADDR:6379" in dry.output
+    assert dry.exit_code == 0 and not dry.argv and "ray-worker HEAD_ADDR:6379" in dry.output
 
 
 def test_image_mode_serves_in_this_container():
