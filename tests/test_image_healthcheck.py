@@ -9,12 +9,17 @@ import os
 import socket
 import socketserver
 import threading
+import sys
 from pathlib import Path
 
 import pytest
 
 from dsa_image import healthcheck
 from dsa_image.healthcheck import Endpoint
+
+# The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_smoke_fakes import free_port  # noqa: E402
 
 VLLM = ["/opt/venv/bin/python", "/opt/venv/bin/vllm", "serve"]
 
@@ -111,14 +116,8 @@ def test_probe_is_healthy_only_on_200(server):
     assert "HTTP 503" in healthcheck.probe(Endpoint("http", "127.0.0.1", port))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_probe_of_a_closed_port_says_why():
-    free = _free_port()
+    free = free_port()
     assert f"127.0.0.1:{free}/health" in healthcheck.probe(Endpoint("http", "127.0.0.1", free), timeout=2)
 
 
@@ -128,7 +127,7 @@ def test_main_probes_the_port_vllm_was_given_not_the_default(server, tmp_path, c
     assert healthcheck.main(serving_there) == 0
     assert f"healthy: http://127.0.0.1:{port}/health" in capsys.readouterr().out
     # The same server, but vLLM was told another port: not healthy (the server there is not vLLM's).
-    elsewhere = _fake_proc(tmp_path / "elsewhere", {1: [*VLLM, "m", f"--port={_free_port()}"]})
+    elsewhere = _fake_proc(tmp_path / "elsewhere", {1: [*VLLM, "m", f"--port={free_port()}"]})
     assert healthcheck.main(elsewhere) == 1
     assert "unhealthy: GET" in capsys.readouterr().out
 
@@ -175,7 +174,7 @@ def test_a_ray_head_is_healthy_only_while_its_gcs_port_answers(tmp_path, capsys)
         head = _fake_proc(tmp_path / "up", {1: [*RAY, "--head", f"--port={port}", "--block"]})
         assert healthcheck.main(head) == 0
         assert "healthy: Ray node" in capsys.readouterr().out
-    closed = _fake_proc(tmp_path / "down", {1: [*RAY, "--head", f"--port={_free_port()}", "--block"]})
+    closed = _fake_proc(tmp_path / "down", {1: [*RAY, "--head", f"--port={free_port()}", "--block"]})
     assert healthcheck.main(closed) == 1
     assert "Ray head's GCS" in capsys.readouterr().out
 
@@ -185,7 +184,7 @@ def test_a_ray_worker_is_healthy_while_it_runs_and_vllm_serve_still_wins(server,
     assert healthcheck.main(worker) == 0
     # On the head, once `vllm serve` runs beside the Ray node, its /health is what counts.
     port, _ = server
-    head_serving = _fake_proc(tmp_path / "serving", {1: [*RAY, "--head", f"--port={_free_port()}", "--block"],
+    head_serving = _fake_proc(tmp_path / "serving", {1: [*RAY, "--head", f"--port={free_port()}", "--block"],
                                                     42: [*VLLM, "m", "--port", str(port)]})
     assert healthcheck.main(head_serving) == 0
     assert f"healthy: http://127.0.0.1:{port}/health" in capsys.readouterr().out.splitlines()[-1]

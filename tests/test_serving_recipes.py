@@ -18,6 +18,10 @@ import pytest
 
 from dsa_image import memory_plan, serving_recipes as sr, tiny_model
 from dsa_image.memory_plan import GIB, GPUS, SCHEMES
+
+# The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_smoke_fakes import free_port  # noqa: E402
 from dsa_image.recipe import load_recipe, recipe_ids
 from dsa_image.validation import recipes as scaled
 
@@ -571,13 +575,6 @@ def fake_vllm_site(tmp_path: Path) -> Path:
         (package / "__init__.py").write_text("")
     (cli / "main.py").write_text(FAKE_VLLM)
     return site
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_validation_runner_serves_asks_and_records(tmp_path):

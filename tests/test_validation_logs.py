@@ -13,7 +13,6 @@ Built from the real H200 run r18 (tests/data/r18-*, excerpts of its output):
 import http.server
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,10 @@ from pathlib import Path
 import pytest
 
 from dsa_image.validation import b12x_serving, recipes, serving, serving_modes
+
+# The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_smoke_fakes import free_port  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 STOCK_LOG = DATA / "r18-server-b12x-stock.log"
@@ -162,12 +165,6 @@ def fake_vllm(tmp_path):
     return site
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run() -> recipes.ScaledRun:
     return recipes.ScaledRun("fake", ("fake",), False, ["--port", "0", "--served-model-name", "glm-5"],
                              {"FAKE_VLLM_DATA": str(DATA)}, ())
@@ -219,7 +216,7 @@ def test_a_run_serves_from_an_empty_home_even_after_a_killed_run(tmp_path, fake_
     (stale / "deep_gemm" / "cache").mkdir(parents=True)
     (stale / "deep_gemm" / "cache" / "kernel.cu").write_text("// half-writ")
     (stale / "left-by-the-killed-run").write_text("")
-    result = _serve(tmp_path, fake_vllm, _free_port())
+    result = _serve(tmp_path, fake_vllm, free_port())
     assert result.get("error") is None and result["ok"], result
     assert "DeepGEMM PDL enabled on vllm.third_party.deep_gemm." in result["log_tail"]
     assert not (stale / "left-by-the-killed-run").exists()
