@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import memory_plan
-from .memory_plan import BACKENDS, GPUS, SCHEMES, Gpu
+from .memory_plan import BACKENDS, GPUS, SCHEMES
 from .recipe import DEFAULT_RECIPE, RECIPES_DIR, Recipe, RecipeError, load_recipe
 
 SERVE_DIR_NAME = "serve"
