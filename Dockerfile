@@ -4,6 +4,10 @@
 # generated from recipes/glm5-dsa.toml; docker-bake.hcl holds the targets):
 #
 #     docker buildx bake sm120          # or sm100, sm90; `test` runs the in-image tests
+#     docker buildx bake sm120-vllmX_Y_Z    # the same target on the recipe's base vLLM X.Y.Z
+#
+# VLLM_VERSION picks the base: its locks (recipes/locks/vllm-VERSION/) and its overlay
+# (overlay/vllm-VERSION/).
 #
 # This file holds no pins: an ARG without a value fails the build with a message.
 # No `# syntax=` line on purpose: it makes BuildKit pull its frontend from Docker Hub; the
@@ -53,18 +57,22 @@ RUN if [[ -z "${PYTHON_VERSION}" ]]; then \
 ENV PATH=/opt/venv/bin:${PATH}
 
 # ---------------------------------------------------------------------------------------------
-# The pins this target builds from, picked by name: the common lock, the target's extras lock
-# and the recipe. Later steps mount them from here, so their cache keys follow these files'
-# contents only, not the rest of recipes/. (Docker 20.10's built-in frontend does not expand
-# ARGs in a bind mount's source, hence a stage rather than a mount per file.)
+# The pins this target builds from, picked by name: the base's common lock, the target's
+# extras lock and the recipe. Later steps mount them from here, so their cache keys follow
+# these files' contents only, not the rest of recipes/. (Docker 20.10's built-in frontend does
+# not expand ARGs in a bind mount's source, hence a stage rather than a mount per file.)
 FROM base AS pins
 ARG TARGETARCH
 ARG EXTRAS_LOCK
 ARG RECIPE
+ARG VLLM_VERSION
 RUN --mount=type=bind,source=recipes,target=/tmp/dsa-image/recipes \
+    locks="/tmp/dsa-image/recipes/locks/vllm-${VLLM_VERSION}"; \
+    if [[ -z "${VLLM_VERSION}" || ! -d "${locks}" ]]; then \
+        echo "no locks for vLLM '${VLLM_VERSION}' (recipes/locks/vllm-VERSION/): build with 'docker buildx bake'" >&2; exit 1; fi; \
     mkdir -p /pins/recipes; \
-    cp "/tmp/dsa-image/recipes/locks/vllm-${TARGETARCH}.txt" /pins/vllm.txt; \
-    if [[ -n "${EXTRAS_LOCK}" ]]; then cp "/tmp/dsa-image/recipes/locks/${EXTRAS_LOCK}-${TARGETARCH}.txt" /pins/extras.txt; \
+    cp "${locks}/vllm-${TARGETARCH}.txt" /pins/vllm.txt; \
+    if [[ -n "${EXTRAS_LOCK}" ]]; then cp "${locks}/${EXTRAS_LOCK}-${TARGETARCH}.txt" /pins/extras.txt; \
     else : > /pins/extras.txt; fi; \
     cp "/tmp/dsa-image/recipes/${RECIPE}.toml" /pins/recipes/
 
@@ -117,8 +125,8 @@ RUN --mount=type=bind,from=pins,source=/pins,target=/tmp/dsa-image/pins \
         if [[ -f /run/secrets/pip-ca ]]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
         pip install --require-hashes --no-deps --index-url https://pypi.org/simple -r /tmp/dsa-image/pins/extras.txt; \
     else echo "target ${TARGET}: no extras"; fi; \
-    python -B /tmp/dsa-image/tool/scripts/pip_check.py --recipe "${RECIPE}" --target "${TARGET}" \
-        --recipes-dir /tmp/dsa-image/pins/recipes
+    python -B /tmp/dsa-image/tool/scripts/pip_check.py --recipe "${RECIPE}" --vllm "${VLLM_VERSION}" \
+        --target "${TARGET}" --recipes-dir /tmp/dsa-image/pins/recipes
 # Proof, without a GPU, that this image runs on its GPUs: nvcc builds a CUDA library for each
 # target capability, and vLLM's compiled extensions carry SASS/PTX for them.
 RUN --mount=type=bind,source=dsa_image/__init__.py,target=/tmp/dsa-image/tool/dsa_image/__init__.py \
@@ -139,11 +147,13 @@ FROM extras AS overlay
 ARG PYTHON_VERSION
 ARG TARGET
 ARG RECIPE
-# The recipe and target are set here, not in runtime: verify (test stage and runtime alike)
-# checks that the receipt names this recipe.
+ARG VLLM_VERSION
+# The recipe, base and target are set here, not in runtime: verify (test stage and runtime
+# alike) checks that the receipt names this recipe and this base's overlay.
 ENV DSA_IMAGE_TOOL=/opt/dsa-image/tool \
     DSA_IMAGE_SITE_PACKAGES=/opt/venv/lib/python${PYTHON_VERSION}/site-packages \
     DSA_IMAGE_RECIPE=${RECIPE} \
+    DSA_IMAGE_VLLM=${VLLM_VERSION} \
     DSA_IMAGE_TARGET=${TARGET}
 # Only what apply/verify and the entrypoint need: a change anywhere else in the repository
 # leaves this stage cached.
@@ -153,15 +163,17 @@ COPY recipes/${RECIPE}.toml ${DSA_IMAGE_TOOL}/recipes/
 # The serving recipes and their model facts: `docker run IMAGE recipe ...` reads them.
 COPY recipes/serve/ ${DSA_IMAGE_TOOL}/recipes/serve/
 COPY recipes/models/ ${DSA_IMAGE_TOOL}/recipes/models/
-COPY overlay/ ${DSA_IMAGE_TOOL}/overlay/
-# RECEIPT_SHA256 is the receipt predicted from overlay/manifest.json (docker-bake.json); the
+# This base's overlay only: an edit of another base's leaves this stage cached.
+COPY overlay/vllm-${VLLM_VERSION}/ ${DSA_IMAGE_TOOL}/overlay/vllm-${VLLM_VERSION}/
+# RECEIPT_SHA256 is the receipt predicted from the base's manifest (docker-bake.json); the
 # image is labelled with it, so the receipt written here must be exactly that one.
 ARG RECEIPT_SHA256
-RUN python -B "${DSA_IMAGE_TOOL}/scripts/overlay.py" apply --site-packages "${DSA_IMAGE_SITE_PACKAGES}" --recipe "${RECIPE}"; \
+RUN python -B "${DSA_IMAGE_TOOL}/scripts/overlay.py" apply --site-packages "${DSA_IMAGE_SITE_PACKAGES}" \
+        --recipe "${RECIPE}" --vllm "${VLLM_VERSION}"; \
     cp "${DSA_IMAGE_SITE_PACKAGES}/vllm_overlay_receipt.json" /opt/dsa-image/receipt.json; \
     (cd /opt/dsa-image && sha256sum receipt.json > receipt.json.sha256); \
     written=$(cut -d' ' -f1 /opt/dsa-image/receipt.json.sha256); \
-    [[ "${written}" == "${RECEIPT_SHA256}" ]] || { echo "the receipt apply wrote has sha256 ${written}, docker-bake.json predicts '${RECEIPT_SHA256}' (the image label): run 'python3 scripts/overlay.py record --refresh' and rebuild with 'docker buildx bake'" >&2; exit 1; }; \
+    [[ "${written}" == "${RECEIPT_SHA256}" ]] || { echo "the receipt apply wrote has sha256 ${written}, docker-bake.json predicts '${RECEIPT_SHA256}' (the image label): run 'python3 scripts/overlay.py record --refresh --vllm ${VLLM_VERSION}' and rebuild with 'docker buildx bake'" >&2; exit 1; }; \
     chmod -R a-w /opt/dsa-image/receipt.json /opt/dsa-image/receipt.json.sha256
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +206,7 @@ RUN mkdir -p /opt/dsa-image/test-results; \
         --junitxml=/opt/dsa-image/test-results/junit.xml \
         tests/test_overlay.py tests/test_overlay_bytecode.py tests/test_overlay_interrupt.py \
         tests/test_overlay_revert.py tests/test_overlay_space.py \
-        tests/test_indexer_overlay.py tests/test_indexer_reference.py tests/test_selftest.py \
+        tests/test_indexer_overlay*.py tests/test_indexer_reference.py tests/test_selftest.py \
         tests/test_validation.py tests/test_serving_recipes_vllm.py \
         tests/test_image_arch_check.py \
         tests/test_image_pip_check.py tests/test_image_entrypoint.py tests/test_image_healthcheck.py

@@ -57,6 +57,7 @@ DEFAULT_MODE = "serve"
 # Set by the Dockerfile; listed by --help with what each is for.
 IMAGE_ENV = {
     "DSA_IMAGE_RECIPE": "the recipe the image was built from",
+    "DSA_IMAGE_VLLM": "the recipe's vLLM base the image was built on (its overlay is verify's)",
     "DSA_IMAGE_TARGET": "the recipe's target (GPU family) of this image",
     "DSA_IMAGE_TOOL": "where dsa_image, scripts/ and the recipe live in the image",
     "DSA_IMAGE_SITE_PACKAGES": "the site-packages the overlay was applied to (verify checks it)",
@@ -185,7 +186,8 @@ def _required_env(environ: dict[str, str], name: str) -> str:
 def _recipe_and_target(environ: dict[str, str]) -> tuple[Recipe, Target]:
     tool = Path(_required_env(environ, "DSA_IMAGE_TOOL"))
     try:
-        recipe = load_recipe(_required_env(environ, "DSA_IMAGE_RECIPE"), tool / "recipes")
+        recipe = load_recipe(_required_env(environ, "DSA_IMAGE_RECIPE"), tool / "recipes",
+                             _required_env(environ, "DSA_IMAGE_VLLM"))
         return recipe, recipe.target(_required_env(environ, "DSA_IMAGE_TARGET"))
     except RecipeError as exc:
         raise EntrypointError(str(exc)) from exc

@@ -1,16 +1,19 @@
 """`scripts/recipe.py lock`: the only writer of pins.
 
-It fills the recipe's wheel sha256 from the downloaded wheels, tries the base image digest,
-generates the resolver inputs (recipes/requirements/*.in) from the recipe and runs the real
-resolver (uv pip compile --generate-hashes) into recipes/locks/:
+It works on one base (a vLLM release of the recipe, `--vllm`): it fills that base's wheel
+sha256 from the downloaded wheels, tries the base image digest, generates the resolver inputs
+(recipes/requirements/vllm-<version>/*.in) from the recipe and runs the real resolver
+(uv pip compile --generate-hashes) into recipes/locks/:
 
-  vllm-<arch>.txt      vLLM + the CUDA toolkit pins + the cluster packages (Ray), shared by
-                       every target (one per arch)
-  <target>-<arch>.txt  the common lock plus the target's extras, for targets with extras,
-                       resolved with the common lock as constraints so that it never moves a
-                       pin of the common lock (the Dockerfile installs it on top)
-  dev.txt              the test runner's venv (requirements-dev.in)
-  SHA256SUMS           the sha256 of each lock above, as written
+  vllm-<version>/vllm-<arch>.txt      vLLM + the CUDA toolkit pins + the cluster packages
+                                      (Ray), shared by every target (one per arch)
+  vllm-<version>/<target>-<arch>.txt  the common lock plus the target's extras, for targets
+                                      with extras, resolved with the common lock as
+                                      constraints so that it never moves a pin of the common
+                                      lock (the Dockerfile installs it on top)
+  vllm-<version>/SHA256SUMS           the sha256 of each lock above, as written
+  dev.txt, SHA256SUMS                 the test runner's venv (requirements-dev.in), shared by
+                                      every base and resolved by every `lock`; its sha256
 
 Every hash in a lock comes from the index, through the resolver (`resolver_seed` keeps the
 previous lock's versions but never its hashes), except the vllm pin's: it carries exactly the
@@ -29,19 +32,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import registry, wheels
-from .recipe import ARCH_OF_PLATFORM, REPO_ROOT, Recipe, Target, Wheel, set_base_digest, set_wheel_sha256
+from .recipe import (ARCH_OF_PLATFORM, REPO_ROOT, Recipe, Target, Wheel, set_base_digest, set_wheel_sha256,
+                     vllm_dir)
 
 REQUIREMENTS_DIR = Path("recipes/requirements")
 LOCKS_DIR = Path("recipes/locks")
 DEV_IN = Path("requirements-dev.in")
 DEV_LOCK = LOCKS_DIR / "dev.txt"
 COMPILE_COMMAND = "python3 scripts/recipe.py lock"
-# sha256 of every lock as `lock` wrote it: `check` (offline) notices any later edit of a lock.
-LOCK_SUMS = LOCKS_DIR / "SHA256SUMS"
+# In each directory of locks: the sha256 of every lock there as `lock` wrote it; `check`
+# (offline) notices any later edit of a lock.
+SUMS_NAME = "SHA256SUMS"
 CHECK_ONLINE_COMMAND = "python3 scripts/recipe.py check --online"
 VLLM = "vllm"
 PYTHON_PLATFORM = {"amd64": "x86_64-manylinux_2_28", "arm64": "aarch64-manylinux_2_28"}
-_GENERATED = "# Generated from recipes/{recipe}.toml by `python3 scripts/recipe.py lock`. Do not edit.\n"
+_GENERATED = "# Generated from recipes/{recipe}.toml by `{command}`. Do not edit.\n"
 
 
 class LockError(Exception):
@@ -55,60 +60,76 @@ class LockJob:
     output: Path
     inputs: tuple[Path, ...]
     arch: str | None  # None: universal (dev lock)
+    command: str  # what writes this lock: its header, and what every message about it says
     constraints: tuple[Path, ...] = ()
     overrides: Path | None = None
 
 
-def common_in() -> Path:
-    return REQUIREMENTS_DIR / "vllm.in"
+def lock_command(version: str) -> str:
+    """The command that writes one base's locks."""
+    return f"{COMPILE_COMMAND} --vllm {version}"
 
 
-def target_in(target: Target) -> Path:
-    return REQUIREMENTS_DIR / f"{target.id}.in"
+def requirements_dir(recipe: Recipe) -> Path:
+    return REQUIREMENTS_DIR / vllm_dir(recipe.vllm_version)
 
 
-def overrides_in(target: Target) -> Path:
-    return REQUIREMENTS_DIR / f"{target.id}.overrides.in"
+def locks_dir(recipe: Recipe) -> Path:
+    return LOCKS_DIR / vllm_dir(recipe.vllm_version)
 
 
-def common_lock(arch: str) -> Path:
-    return LOCKS_DIR / f"vllm-{arch}.txt"
+def common_in(recipe: Recipe) -> Path:
+    return requirements_dir(recipe) / "vllm.in"
 
 
-def target_lock(target: Target, arch: str) -> Path:
+def target_in(recipe: Recipe, target: Target) -> Path:
+    return requirements_dir(recipe) / f"{target.id}.in"
+
+
+def overrides_in(recipe: Recipe, target: Target) -> Path:
+    return requirements_dir(recipe) / f"{target.id}.overrides.in"
+
+
+def common_lock(recipe: Recipe, arch: str) -> Path:
+    return locks_dir(recipe) / f"vllm-{arch}.txt"
+
+
+def target_lock(recipe: Recipe, target: Target, arch: str) -> Path:
     """The lock the image of `target` installs on `arch` after the common one (its extras)."""
-    return LOCKS_DIR / f"{target.id}-{arch}.txt" if target.extras else common_lock(arch)
+    return locks_dir(recipe) / f"{target.id}-{arch}.txt" if target.extras else common_lock(recipe, arch)
 
 
 def requirement_files(recipe: Recipe) -> dict[Path, str]:
-    """Every resolver input, generated from the recipe: {repo-relative path: text}."""
-    header = _GENERATED.format(recipe=recipe.id)
+    """Every resolver input of the recipe's base, generated from it: {repo-relative path: text}."""
+    header = _GENERATED.format(recipe=recipe.id, command=lock_command(recipe.vllm_version))
     common = (f"vllm=={recipe.vllm_version}", *recipe.cuda_toolkit, *recipe.cluster_packages)
-    files = {common_in(): header + "".join(f"{pin}\n" for pin in common)}
+    files = {common_in(recipe): header + "".join(f"{pin}\n" for pin in common)}
     for target in recipe.targets.values():
         if not target.extras:
             continue
         extras = "".join(f"{extra.requirement}\n" for extra in target.extras)
-        files[target_in(target)] = f"{header}-r vllm.in\n{extras}"
+        files[target_in(recipe, target)] = f"{header}-r vllm.in\n{extras}"
         if target.overrides:
-            files[overrides_in(target)] = header + "".join(f"{pin}\n" for pin in target.overrides)
+            files[overrides_in(recipe, target)] = header + "".join(f"{pin}\n" for pin in target.overrides)
     return files
 
 
 def lock_jobs(recipe: Recipe) -> list[LockJob]:
-    """The resolver runs, common locks first (target locks are constrained by them)."""
+    """The resolver runs of the recipe's base, common locks first (target locks are constrained
+    by them), then the dev lock every base shares."""
+    command = lock_command(recipe.vllm_version)
     arches = [ARCH_OF_PLATFORM[p] for p in recipe.platforms]
-    jobs = [LockJob(common_lock(arch), (common_in(),), arch) for arch in arches]
+    jobs = [LockJob(common_lock(recipe, arch), (common_in(recipe),), arch, command) for arch in arches]
     for target in recipe.targets.values():
         if not target.extras:
             continue
         for arch in target.arches:
             jobs.append(LockJob(
-                target_lock(target, arch), (target_in(target),), arch,
-                constraints=(common_lock(arch),),
-                overrides=overrides_in(target) if target.overrides else None,
+                target_lock(recipe, target, arch), (target_in(recipe, target),), arch, command,
+                constraints=(common_lock(recipe, arch),),
+                overrides=overrides_in(recipe, target) if target.overrides else None,
             ))
-    jobs.append(LockJob(DEV_LOCK, (DEV_IN,), None))
+    jobs.append(LockJob(DEV_LOCK, (DEV_IN,), None, COMPILE_COMMAND))
     return jobs
 
 
@@ -118,7 +139,7 @@ def uv_command(job: LockJob, python_version: str, uv: str) -> list[str]:
         "--index-url", wheels.PYPI_SIMPLE,
         "--generate-hashes",
         "--python-version", python_version,
-        "--custom-compile-command", COMPILE_COMMAND,
+        "--custom-compile-command", job.command,
         "--output-file", str(job.output),
     ]
     argv += ["--python-platform", PYTHON_PLATFORM[job.arch]] if job.arch else ["--universal"]
@@ -220,21 +241,32 @@ def resolve(job: LockJob, recipe: Recipe, uv: str, root: Path = REPO_ROOT) -> No
             output.write_text(previous)
 
 
-def lock_sums(recipe: Recipe, root: Path = REPO_ROOT) -> str:
-    """recipes/locks/SHA256SUMS as `lock` writes it (`sha256sum -c` reads it too)."""
-    return "".join(f"{wheels.sha256_bytes((root / p).read_bytes())}  {p.name}\n" for p in expected_locks(recipe))
+def sums_file(directory: Path) -> Path:
+    return directory / SUMS_NAME
+
+
+def lock_sums(recipe: Recipe, root: Path = REPO_ROOT) -> dict[Path, str]:
+    """{SHA256SUMS path: text} as `lock` writes them, one per directory of the base's locks
+    (the base's own, and recipes/locks/ for dev.txt); `sha256sum -c` reads them too."""
+    by_directory: dict[Path, list[Path]] = {}
+    for path in expected_locks(recipe):
+        by_directory.setdefault(path.parent, []).append(path)
+    return {sums_file(directory): "".join(f"{wheels.sha256_bytes((root / p).read_bytes())}  {p.name}\n" for p in paths)
+            for directory, paths in by_directory.items()}
 
 
 def write_lock_sums(recipe: Recipe, root: Path = REPO_ROOT) -> None:
-    (root / LOCK_SUMS).write_text(lock_sums(recipe, root))
+    for path, text in lock_sums(recipe, root).items():
+        (root / path).write_text(text)
 
 
 def lock_wheel_pins(text: str, recipe: Recipe, report) -> str:
-    """Download every listed vLLM wheel, return the recipe text with their computed sha256."""
+    """Download every vLLM wheel of the recipe's base, return the recipe text with their
+    computed sha256."""
     for platform, wheel in recipe.wheels.items():
         path, sha = wheels.lock_wheel(wheel.filename)
         report(f"{wheel.filename}: sha256 {sha} ({path})")
-        text = set_wheel_sha256(text, platform, sha)
+        text = set_wheel_sha256(text, recipe.vllm_version, platform, sha)
     return text
 
 
@@ -261,16 +293,25 @@ def stale_generated(files: dict[Path, str], directory: Path, root: Path = REPO_R
     return sorted(present - set(files))
 
 
-def drift(expected: dict[Path, str], root: Path = REPO_ROOT) -> list[str]:
-    """One line per generated file that differs from what the recipe generates."""
+def drift(expected: dict[Path, str], command: str, root: Path = REPO_ROOT) -> list[str]:
+    """One line per generated file that differs from what the recipe generates; `command`
+    writes them again."""
     problems = []
     for rel, text in expected.items():
         path = root / rel
         if not path.exists():
-            problems.append(f"{rel}: missing; run `{COMPILE_COMMAND}`")
+            problems.append(f"{rel}: missing; run `{command}`")
         elif path.read_text() != text:
-            problems.append(f"{rel}: differs from what the recipe generates; run `{COMPILE_COMMAND}`")
+            problems.append(f"{rel}: differs from what the recipe generates; run `{command}`")
     return problems
+
+
+def stale_bases(recipe: Recipe, root: Path = REPO_ROOT) -> list[Path]:
+    """Directories of locks or resolver inputs named after a vLLM release the recipe no longer
+    pins (a dropped base)."""
+    wanted = {vllm_dir(v) for v in recipe.vllm_versions}
+    return sorted(p.relative_to(root) for directory in (REQUIREMENTS_DIR, LOCKS_DIR)
+                  for p in (root / directory).glob("vllm-*") if p.is_dir() and p.name not in wanted)
 
 
 # --- reading locks back: what `check` and the tests assert about them ---------------------
@@ -332,7 +373,11 @@ def _expect_pin(pins: dict[str, Pin], pin: str, where: Path) -> list[str]:
     return []
 
 
-_REGENERATE = f"run `{COMPILE_COMMAND}` (never edit a lock by hand)"
+_REGENERATE = f"run `{COMPILE_COMMAND} --vllm VERSION` for that lock's base (never edit a lock by hand)"
+
+
+def _regenerate(recipe: Recipe) -> str:
+    return f"run `{lock_command(recipe.vllm_version)}` (never edit a lock by hand)"
 
 # The only lines `uv pip compile --generate-hashes` writes; `scan_lock` refuses any other, since
 # pip would read it (an inline --hash, an index option, a sha512 hash) and no rule here would.
@@ -362,7 +407,7 @@ class LockedPin:
         return Pin(self.version, frozenset(self.hashes))
 
 
-def scan_lock(text: str, where: Path) -> tuple[list[LockedPin], list[str]]:
+def scan_lock(text: str, where: Path, regenerate: str = _REGENERATE) -> tuple[list[LockedPin], list[str]]:
     """(pins in file order, problems) of a lock, strictly: a line uv does not write, a second
     requirement for a name and marker or a pin without a hash is a problem (file:line)."""
     pins: dict[tuple[str, str], LockedPin] = {}
@@ -391,7 +436,7 @@ def scan_lock(text: str, where: Path) -> tuple[list[LockedPin], list[str]]:
                 current = LockedPin(name, requirement.group(2), marker, number, {})
                 if (name, marker) in pins:
                     problems.append(f"{where}:{number}: a second requirement for {name} (the first is on line "
-                                    f"{pins[name, marker].line}); pip would merge their hashes; {_REGENERATE}")
+                                    f"{pins[name, marker].line}); pip would merge their hashes; {regenerate}")
                 else:
                     pins[name, marker] = current
                 continued = bool(requirement.group(4))
@@ -400,17 +445,17 @@ def scan_lock(text: str, where: Path) -> tuple[list[LockedPin], list[str]]:
         joined = " (pip joins it to the requirement above)" if continued else ""
         problems.append(f"{where}:{number}: `{line.strip()}` is not a line `uv pip compile --generate-hashes` "
                         f"writes{joined}: only `name==version [; marker] \\`, `    --hash=sha256:<64 hex>` "
-                        f"and comments are; {_REGENERATE}")
+                        f"and comments are; {regenerate}")
         continued = line.rstrip().endswith("\\")
         if not inside:
             current = None
             refused = continued
     if continued:
-        problems.append(f"{where}:{len(lines)}: the lock ends in a continued line; {_REGENERATE}")
+        problems.append(f"{where}:{len(lines)}: the lock ends in a continued line; {regenerate}")
     for pin in pins.values():
         if not pin.hashes:
             problems.append(f"{where}:{pin.line}: {pin.name}=={pin.version} has no --hash, so "
-                            f"`pip install --require-hashes` refuses the lock; {_REGENERATE}")
+                            f"`pip install --require-hashes` refuses the lock; {regenerate}")
     return list(pins.values()), problems
 
 
@@ -430,36 +475,47 @@ def _hash_list(hashes) -> str:
     return ", ".join(f"--hash=sha256:{h}" for h in sorted(hashes))
 
 
-def _sums_problems(expected: list[Path], present: list[Path], root: Path) -> list[str]:
-    """Each lock must have the sha256 `lock` recorded for it in SHA256SUMS."""
-    if not (root / LOCK_SUMS).is_file():
-        return [f"{LOCK_SUMS}: missing; {_REGENERATE}"]
+def _sums_problems(expected: list[Path], present: list[Path], root: Path, regenerate: str) -> list[str]:
+    """Each lock must have the sha256 `lock` recorded for it in its directory's SHA256SUMS."""
+    problems = []
+    by_directory: dict[Path, list[Path]] = {}
+    for path in expected:
+        by_directory.setdefault(path.parent, []).append(path)
+    for directory, paths in by_directory.items():
+        problems += _directory_sums_problems(sums_file(directory), paths, present, root, regenerate)
+    return problems
+
+
+def _directory_sums_problems(sums: Path, expected: list[Path], present: list[Path], root: Path,
+                             regenerate: str) -> list[str]:
+    if not (root / sums).is_file():
+        return [f"{sums}: missing; {regenerate}"]
     problems = []
     recorded: dict[str, tuple[str, int]] = {}
-    for number, line in enumerate((root / LOCK_SUMS).read_text().splitlines(), 1):
+    for number, line in enumerate((root / sums).read_text().splitlines(), 1):
         match = re.fullmatch(r"([0-9a-f]{64})  (\S+)", line)
         if match:
             recorded[match.group(2)] = (match.group(1), number)
         else:
-            problems.append(f"{LOCK_SUMS}:{number}: not `<sha256>  <lock file name>`; {_REGENERATE}")
+            problems.append(f"{sums}:{number}: not `<sha256>  <lock file name>`; {regenerate}")
     for path in expected:
         entry = recorded.pop(path.name, None)
         if path not in present:
             continue
         found = wheels.sha256_bytes((root / path).read_bytes())
         if entry is None:
-            problems.append(f"{LOCK_SUMS}: no line for {path.name} (expected `{found}  {path.name}`); {_REGENERATE}")
+            problems.append(f"{sums}: no line for {path.name} (expected `{found}  {path.name}`); {regenerate}")
         elif entry[0] != found:
             problems.append(
-                f"{path}: its sha256 is {found}, {LOCK_SUMS}:{entry[1]} records {entry[0]} as `lock` wrote it: "
+                f"{path}: its sha256 is {found}, {sums}:{entry[1]} records {entry[0]} as `lock` wrote it: "
                 f"the lock changed since. `{CHECK_ONLINE_COMMAND}` names every hash the index does not list; "
-                f"{_REGENERATE}")
-    problems += [f"{LOCK_SUMS}:{number}: {name} is not a lock the recipe generates; {_REGENERATE}"
+                f"{regenerate}")
+    problems += [f"{sums}:{number}: {name} is not a lock the recipe generates; {regenerate}"
                  for name, (_, number) in sorted(recorded.items())]
     return problems
 
 
-def _vllm_problems(recipe: Recipe, scans: dict[Path, list[LockedPin]]) -> list[str]:
+def _vllm_problems(recipe: Recipe, scans: dict[Path, list[LockedPin]], regenerate: str) -> list[str]:
     """In every lock of an arch, vllm carries exactly one hash: the recipe's wheel's."""
     problems = []
     for job in lock_jobs(recipe):
@@ -467,27 +523,27 @@ def _vllm_problems(recipe: Recipe, scans: dict[Path, list[LockedPin]]) -> list[s
             continue
         for pin in scans.get(job.output, []):  # a missing pin is reported with the recipe's other pins
             if pin.name == VLLM:
-                problems += _vllm_pin_problems(recipe, recipe.wheel(job.arch), job.output, pin)
+                problems += _vllm_pin_problems(recipe, recipe.wheel(job.arch), job.output, pin, regenerate)
     return problems
 
 
-def _vllm_pin_problems(recipe: Recipe, wheel: Wheel, path: Path, pin: LockedPin) -> list[str]:
+def _vllm_pin_problems(recipe: Recipe, wheel: Wheel, path: Path, pin: LockedPin, regenerate: str) -> list[str]:
     if not wheel.sha256:
-        return [f"{_shown(recipe.path)}: no sha256 for {wheel.filename}; {_REGENERATE}"]
+        return [f"{_shown(recipe.path)}: no sha256 for {wheel.filename}; {regenerate}"]
     problems = []
     for digest, line in sorted(pin.hashes.items(), key=lambda item: item[1]):
         if digest != wheel.sha256:
             problems.append(
                 f"{path}:{line}: vllm=={pin.version} carries --hash=sha256:{digest}, expected only "
                 f"--hash=sha256:{wheel.sha256} (the recipe's {wheel.filename}, hashed from the file `lock` "
-                f"downloaded): any other hash widens what `pip install --require-hashes` accepts; {_REGENERATE}")
+                f"downloaded): any other hash widens what `pip install --require-hashes` accepts; {regenerate}")
     if wheel.sha256 not in pin.hashes:
         problems.append(f"{path}:{pin.line}: vllm=={pin.version} lacks --hash=sha256:{wheel.sha256} "
-                        f"(the recipe's {wheel.filename}); {_REGENERATE}")
+                        f"(the recipe's {wheel.filename}); {regenerate}")
     return problems
 
 
-def _consistency_problems(scans: dict[Path, list[LockedPin]]) -> list[str]:
+def _consistency_problems(scans: dict[Path, list[LockedPin]], regenerate: str) -> list[str]:
     """A release has the same files on the index whichever lock pins it, and uv writes one hash
     per file: the same name==version must carry the same hashes in every lock (vllm aside,
     narrowed per arch and checked against the recipe)."""
@@ -508,32 +564,38 @@ def _consistency_problems(scans: dict[Path, list[LockedPin]]) -> list[str]:
         problems.append(
             f"{name}=={version} has different hashes in different locks, where `lock` writes the same ones "
             f"(one per file the index lists for that release): {'; '.join(parts)}. `{CHECK_ONLINE_COMMAND}` "
-            f"names the one the index does not list; {_REGENERATE}")
+            f"names the one the index does not list; {regenerate}")
     return problems
 
 
 def lock_problems(recipe: Recipe, root: Path = REPO_ROOT) -> list[str]:
-    """Everything that makes the committed locks disagree with the recipe or with what `lock`
-    wrote, one line each (offline: see `online_problems` for the index)."""
+    """Everything that makes the committed locks of the recipe's base (and the dev lock)
+    disagree with the recipe or with what `lock` wrote, one line each (offline: see
+    `online_problems` for the index)."""
+    command = lock_command(recipe.vllm_version)
+    regenerate = _regenerate(recipe)
     problems = []
-    expected = expected_locks(recipe)
-    present = {p.relative_to(root) for p in (root / LOCKS_DIR).glob("*.txt")}
-    problems += [f"{p}: not generated by the recipe any more; run `{COMPILE_COMMAND}`" for p in sorted(present - set(expected))]
+    jobs = lock_jobs(recipe)
+    expected = [job.output for job in jobs]
+    present = {p.relative_to(root) for directory in (LOCKS_DIR, locks_dir(recipe))
+               for p in (root / directory).glob("*.txt")}
+    problems += [f"{p}: not generated by the recipe any more; run `{command}`" for p in sorted(present - set(expected))]
+    problems += [f"{p}: a directory of a vLLM release the recipe does not pin; delete it" for p in stale_bases(recipe, root)]
     missing = [p for p in expected if p not in present]
-    problems += [f"{p}: missing; run `{COMPILE_COMMAND}`" for p in missing]
-    locks = {p: (root / p).read_text() for p in expected if p not in missing}
-    for path, text in locks.items():
-        if COMPILE_COMMAND not in text.split("\n\n", 1)[0]:
-            problems.append(f"{path}: header does not name `{COMPILE_COMMAND}`")
+    problems += [f"{p}: missing; run `{command}`" for p in missing]
+    locks = {job.output: (root / job.output).read_text() for job in jobs if job.output not in missing}
+    for job in jobs:
+        if job.output in locks and not _header_names(locks[job.output], job.command):
+            problems.append(f"{job.output}: header does not name `{job.command}`; {regenerate}")
     scans: dict[Path, list[LockedPin]] = {}
     for path, text in locks.items():
-        scans[path], syntax = scan_lock(text, path)
+        scans[path], syntax = scan_lock(text, path, regenerate)
         problems += syntax
-    problems += _sums_problems(expected, list(locks), root)
+    problems += _sums_problems(expected, list(locks), root, regenerate)
     torch_pins = {o for t in recipe.targets.values() for o in t.overrides if _split_pin(o)[0] == "torch"}
     for platform in recipe.platforms:
         arch = ARCH_OF_PLATFORM[platform]
-        common_path = common_lock(arch)
+        common_path = common_lock(recipe, arch)
         if common_path not in scans:
             continue
         common = _by_name(scans[common_path])
@@ -541,7 +603,7 @@ def lock_problems(recipe: Recipe, root: Path = REPO_ROOT) -> list[str]:
         for pin in (*recipe.cuda_toolkit, *recipe.cluster_packages, *torch_pins):
             problems += _expect_pin(common, pin, common_path)
         for target in recipe.targets.values():
-            path = target_lock(target, arch)
+            path = target_lock(recipe, target, arch)
             if not target.extras or platform not in target.platforms or path not in scans:
                 continue
             full = _by_name(scans[path])
@@ -551,16 +613,22 @@ def lock_problems(recipe: Recipe, root: Path = REPO_ROOT) -> list[str]:
                     problems.append(f"{path}: {name} differs from {common_path} (the extras lock must only add packages)")
             for extra in target.extras:
                 problems += _expect_pin(full, extra.requirement, path)
-    problems += _vllm_problems(recipe, scans)
-    problems += _consistency_problems(scans)
+    problems += _vllm_problems(recipe, scans, regenerate)
+    problems += _consistency_problems(scans, regenerate)
     return problems
+
+
+def _header_names(text: str, command: str) -> bool:
+    """uv writes the compile command as the header's second line: `#    <command>`."""
+    return text.splitlines()[1:2] == [f"#    {command}"]
 
 
 def _shown(path: Path) -> Path:
     return path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
 
 
-def _release_problems(path: Path, pin: LockedPin, listed: list[wheels.IndexFile], index_url: str) -> list[str]:
+def _release_problems(path: Path, pin: LockedPin, listed: list[wheels.IndexFile], index_url: str,
+                      regenerate: str) -> list[str]:
     """Each hash of `pin` must be the sha256 of a file the index lists for exactly that release."""
     release = wheels.release_files(listed, pin.version)
     allowed = {f.sha256 for f in release}
@@ -580,7 +648,7 @@ def _release_problems(path: Path, pin: LockedPin, listed: list[wheels.IndexFile]
         problems.append(
             f"{path}:{line}: {pin.name}=={pin.version} carries --hash=sha256:{digest}, which is not a file of "
             f"{pin.name}=={pin.version}: {found}. Expected only hashes of the files {page} lists for that "
-            f"release ({expected}). Every hash must come from the index; {_REGENERATE}")
+            f"release ({expected}). Every hash must come from the index; {regenerate}")
     return problems
 
 
@@ -599,18 +667,20 @@ def online_problems(recipe: Recipe, root: Path = REPO_ROOT, paths: list[Path] | 
     names = sorted({pin.name for pins in scans.values() for pin in pins} | {VLLM})
     with ThreadPoolExecutor(max_workers=workers) as pool:
         listed = dict(zip(names, pool.map(lambda name: wheels.index_files(name, index_url), names)))
+    regenerate = _regenerate(recipe)
     problems = []
     vllm_files = {f.filename: f for f in listed[VLLM]}
     for platform, wheel in recipe.wheels.items():
         entry = vllm_files.get(wheel.filename)
         if entry is None:
-            problems.append(f"{_shown(recipe.path)}: {wheel.filename} ([vllm.wheels.\"{platform}\"]) is not "
-                            f"listed by {index_url.rstrip('/')}/{VLLM}/; fix the filename, then {_REGENERATE}")
+            problems.append(f"{_shown(recipe.path)}: {wheel.filename} ([vllm.\"{recipe.vllm_version}\".wheels.\"{platform}\"]) is not "
+                            f"listed by {index_url.rstrip('/')}/{VLLM}/; fix the filename, then {regenerate}")
         elif entry.sha256 != wheel.sha256:
-            problems.append(f"{_shown(recipe.path)}: vllm.wheels.\"{platform}\".sha256 is {wheel.sha256 or '(empty)'}, "
+            problems.append(f"{_shown(recipe.path)}: vllm.\"{recipe.vllm_version}\".wheels.\"{platform}\".sha256 is "
+                            f"{wheel.sha256 or '(empty)'}, "
                             f"expected {entry.sha256}, the sha256 {index_url.rstrip('/')}/{VLLM}/ lists for "
-                            f"{wheel.filename}; {_REGENERATE}")
+                            f"{wheel.filename}; {regenerate}")
     for path, pins in scans.items():
         for pin in pins:
-            problems += _release_problems(path, pin, listed[pin.name], index_url)
+            problems += _release_problems(path, pin, listed[pin.name], index_url, regenerate)
     return problems

@@ -1,4 +1,5 @@
-"""overlay/manifest.json: what the overlay replaces, the hashes that prove it, and why.
+"""overlay/vllm-<version>/manifest.json: what one base's overlay replaces, the hashes that prove
+it, and why.
 
 {"changes": {"<id>": {"anchors": ["vllm/...py:Name", ...], "introduces": [...], "signatures": [...],
                       "tests": [...], "title": "..."}},
@@ -13,7 +14,7 @@ Entries are sorted by path and the JSON by key, so the bytes are a function of t
 Only `scripts/overlay.py record` writes it.
 
 The named changes (optional; a manifest without them has neither "changes" key) say what each
-file carries: `record` folds them in from the hand-written overlay/changes.toml, validated
+file carries: `record` folds them in from the hand-written changes.toml beside it, validated
 here. `anchors` are the upstream names (bound symbols like Class.method, or identifiers) a
 change's hunks touch in the base file; `introduces` the names it adds there (both place its
 hunks); `signatures` are what its presence upstream would look like in a release's source;
@@ -120,7 +121,7 @@ def _sha(value, where: str, nullable: bool = False) -> str | None:
     return value
 
 
-def parse_manifest(data: bytes, where: str = "overlay/manifest.json") -> Manifest:
+def parse_manifest(data: bytes, where: str = "manifest.json") -> Manifest:
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -226,7 +227,7 @@ def without_entry(manifest: Manifest, path: str) -> Manifest:
     return replace(manifest, files=tuple(e for e in manifest.files if e.path != path))
 
 
-# --- named changes: overlay/changes.toml, folded into the manifest by `record` --------------
+# --- named changes: changes.toml beside the manifest, folded into it by `record` --------------
 
 
 def _strings(value, where: str, allow_empty: bool = True) -> tuple[str, ...]:
@@ -335,7 +336,7 @@ def check_changes(manifest: Manifest, where: str) -> None:
 
 
 def load_changes(path: Path) -> tuple[tuple[Change, ...], dict[str, tuple[str, ...]]]:
-    """The changes overlay/changes.toml defines, and the files each is carried by."""
+    """The changes a changes.toml defines, and the files each is carried by."""
     try:
         doc = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:

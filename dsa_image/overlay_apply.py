@@ -17,11 +17,11 @@ from typing import Callable
 from . import overlay_txn as txn
 from .atomic import read_regular
 from .manifest import Entry, Manifest, ManifestError, load_manifest
-from .overlay_core import (BAD_INPUT, CANNOT_WRITE, DRIFT, LOCK_TIMEOUT, MANIFEST_PATH, ORIGINALS_DIR_NAME,
-                           OVERLAY_DIR, RECEIPT_NAME, TOOL, TXN_DIR_NAME, OverlayError, cache_path,
+from .overlay_core import (BAD_INPUT, CANNOT_WRITE, DRIFT, LOCK_TIMEOUT, ORIGINALS_DIR_NAME,
+                           RECEIPT_NAME, TOOL, TXN_DIR_NAME, OverlayError, cache_path,
                            expected_receipt, file_sha256, installed_vllm_version, load_inputs, looks_like_receipt,
                            read_overlay_files, receipt_bytes, reinstall_advice, require_dir, stale_bytecode)
-from .recipe import DEFAULT_RECIPE, RECIPES_DIR
+from .recipe import RECIPES_DIR
 from .wheels import sha256_file
 
 Report = Callable[[str], None] | None
@@ -42,8 +42,7 @@ def _recover(site: Path, version: str, report: Report) -> None:
 # --- apply ------------------------------------------------------------------------------------
 
 
-def apply(site: Path, recipe_id: str = DEFAULT_RECIPE, manifest_path: Path = MANIFEST_PATH,
-          overlay_dir: Path = OVERLAY_DIR, receipt_path: Path | None = None,
+def apply(site: Path, recipe_id: str, manifest_path: Path, overlay_dir: Path, receipt_path: Path | None = None,
           recipes_dir: Path = RECIPES_DIR, lock_timeout: float = LOCK_TIMEOUT, report: Report = None) -> dict:
     """Overlay `site` (a site-packages dir) and write the receipt; all or nothing."""
     recipe, manifest, raw = load_inputs(recipe_id, manifest_path, recipes_dir)
@@ -189,7 +188,7 @@ class _Op:
     source: Path | None  # hard-link this original into place; None: delete the path
 
 
-def revert(site: Path, manifest_path: Path = MANIFEST_PATH, receipt_path: Path | None = None,
+def revert(site: Path, manifest_path: Path, receipt_path: Path | None = None,
            lock_timeout: float = LOCK_TIMEOUT, report: Report = None) -> list[str]:
     """Put upstream vLLM back: every replaced file (and its bytecode) from the originals apply
     kept, the overlay's new files, their bytecode, the receipt and the originals removed. All

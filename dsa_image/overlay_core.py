@@ -14,10 +14,12 @@ from pathlib import Path
 from . import wheels
 from .atomic import NotRegularFile, read_regular
 from .manifest import Manifest, ManifestError, load_manifest
-from .recipe import DEFAULT_RECIPE, RECIPES_DIR, REPO_ROOT, Recipe, RecipeError, load_recipe
+from .recipe import RECIPES_DIR, REPO_ROOT, Recipe, RecipeError, load_recipe, vllm_dir
 
-OVERLAY_DIR = REPO_ROOT / "overlay"
-MANIFEST_PATH = OVERLAY_DIR / "manifest.json"
+# One overlay per base: overlay/vllm-<version>/ mirrors site-packages (vllm/...) and holds the
+# manifest and the named changes of the overlay made for that vLLM release.
+OVERLAY_ROOT = REPO_ROOT / "overlay"
+MANIFEST_NAME = "manifest.json"
 RECEIPT_NAME = "vllm_overlay_receipt.json"
 RECEIPT_SCHEMA = 1
 REFERENCE_PLATFORM = "linux/amd64"  # the wheel `record` and `diff` read upstream files from
@@ -35,6 +37,15 @@ BAD_INPUT = 2  # usage, recipe, manifest, overlay tree, target without vLLM
 DRIFT = 3  # the installed (or pinned) vLLM is not the one the overlay was made for
 CANNOT_WRITE = 4  # read-only target, a failed write, a busy lock; everything was restored
 CONFLICT = 5  # rebase: the 3-way merge left conflicts; nothing was recorded
+
+
+def overlay_dir(version: str) -> Path:
+    """The overlay made for vLLM `version`."""
+    return OVERLAY_ROOT / vllm_dir(version)
+
+
+def manifest_path(version: str) -> Path:
+    return overlay_dir(version) / MANIFEST_NAME
 
 
 class OverlayError(Exception):
@@ -74,18 +85,23 @@ def require_dir(site: Path) -> None:
 
 
 def load_inputs(recipe_id: str, manifest_path: Path, recipes_dir: Path = RECIPES_DIR) -> tuple[Recipe, Manifest, bytes]:
-    """Recipe and manifest, required to describe the same vLLM."""
+    """The manifest and the recipe as seen from the base it was made for (its vLLM version),
+    required to pin exactly the wheel the manifest names."""
     try:
         recipe = load_recipe(recipe_id, recipes_dir)
         manifest, raw = load_manifest(manifest_path)
     except (RecipeError, ManifestError) as exc:
         raise OverlayError(BAD_INPUT, str(exc)) from exc
-    pinned = {w.sha256 for w in recipe.wheels.values()}
-    if manifest.vllm_version != recipe.vllm_version or manifest.wheel_sha256 not in pinned:
+    if manifest.vllm_version not in recipe.vllm_versions:
         raise OverlayError(BAD_INPUT, (
-            f"{manifest_path}: made for vLLM {manifest.vllm_version} ({manifest.wheel_filename} "
-            f"{manifest.wheel_sha256}), but recipe {recipe.id} pins vLLM {recipe.vllm_version}. "
-            f"Run `{TOOL} record --refresh` after re-basing the overlay."))
+            f"{manifest_path}: made for vLLM {manifest.vllm_version}, but recipe {recipe.id} pins vLLM "
+            f"{', '.join(recipe.vllm_versions)}. Re-base the overlay and run `{TOOL} record --refresh --vllm VERSION`."))
+    recipe = load_recipe(recipe_id, recipes_dir, manifest.vllm_version)
+    if manifest.wheel_sha256 not in {w.sha256 for w in recipe.wheels.values()}:
+        raise OverlayError(BAD_INPUT, (
+            f"{manifest_path}: made from {manifest.wheel_filename} {manifest.wheel_sha256}, but recipe {recipe.id} "
+            f"pins other vLLM {recipe.vllm_version} wheels. Run `{TOOL} record --refresh --vllm "
+            f"{recipe.vllm_version}` after re-basing the overlay."))
     return recipe, manifest, raw
 
 
@@ -161,10 +177,11 @@ def expected_receipt(recipe_id: str, manifest: Manifest, manifest_raw: bytes) ->
             "manifest_sha256": wheels.sha256_bytes(manifest_raw), "files": files}
 
 
-def predicted_receipt_sha256(recipe_id: str = DEFAULT_RECIPE, manifest_path: Path = MANIFEST_PATH) -> str:
-    """sha256 of the receipt an image built from this manifest must carry (its label)."""
-    manifest, manifest_raw = load_manifest(manifest_path)
-    return wheels.sha256_bytes(receipt_bytes(expected_receipt(recipe_id, manifest, manifest_raw)))
+def predicted_receipt_sha256(recipe: Recipe, manifest: Path | None = None) -> str:
+    """sha256 of the receipt an image of the recipe's base must carry (its label); `manifest`
+    defaults to that base's overlay/vllm-<version>/manifest.json."""
+    manifest, manifest_raw = load_manifest(manifest or manifest_path(recipe.vllm_version))
+    return wheels.sha256_bytes(receipt_bytes(expected_receipt(recipe.id, manifest, manifest_raw)))
 
 
 def receipt_bytes(receipt: dict) -> bytes:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import overlay_txn as txn
 from .manifest import Entry, Manifest
-from .overlay_core import (BAD_INPUT, LOCK_TIMEOUT, MANIFEST_PATH, MISMATCH, RECEIPT_NAME, TOOL, TXN_DIR_NAME,
+from .overlay_core import (BAD_INPUT, LOCK_TIMEOUT, MISMATCH, RECEIPT_NAME, TOOL, TXN_DIR_NAME,
                            OverlayError, expected_receipt, file_sha256, installed_vllm_version, load_inputs,
                            load_receipt, reinstall_advice, require_dir, stale_bytecode)
 from .recipe import DEFAULT_RECIPE, RECIPES_DIR
@@ -31,7 +31,7 @@ from .recipe import DEFAULT_RECIPE, RECIPES_DIR
 _FLAG_HASH, _FLAG_CHECK = 0b01, 0b10  # PEP 552 .pyc flags
 
 
-def verify(site: Path, manifest_path: Path = MANIFEST_PATH, receipt_path: Path | None = None,
+def verify(site: Path, manifest_path: Path, receipt_path: Path | None = None,
            python: str = sys.executable, recipe_id: str = DEFAULT_RECIPE, lock_timeout: float = LOCK_TIMEOUT) -> list[str]:
     """Re-hash, then import in a fresh interpreter; raise OverlayError(MISMATCH) on any difference."""
     if "\0" in python or shutil.which(python) is None:
@@ -40,7 +40,7 @@ def verify(site: Path, manifest_path: Path = MANIFEST_PATH, receipt_path: Path |
     return lines + check_imports(site, manifest.files, python)
 
 
-def verify_hashes(site: Path, manifest_path: Path = MANIFEST_PATH, receipt_path: Path | None = None,
+def verify_hashes(site: Path, manifest_path: Path, receipt_path: Path | None = None,
                   recipe_id: str = DEFAULT_RECIPE, recipes_dir: Path = RECIPES_DIR,
                   lock_timeout: float = LOCK_TIMEOUT) -> tuple[Manifest, list[str]]:
     """The receipt is the one apply wrote for this recipe and manifest, every installed file

@@ -1,5 +1,5 @@
 """Re-base the overlay onto another vLLM release: a 3-way merge per overlaid file and a report
-per named change (overlay/changes.toml, folded into overlay/manifest.json by `record`).
+per named change (the overlay's changes.toml, folded into its manifest.json by `record`).
 
   base    the upstream file the overlay was made from (pinned wheel, hash-checked)
   ours    the overlay file
@@ -524,7 +524,7 @@ def check_anchor(anchor: str, base: Wheel, target: Wheel) -> dict:
     kind = "symbol" if name in before.symbols else "identifier" if name in before.mentions else None
     if kind is None:
         raise RebaseError(overlay.BAD_INPUT, f"anchor {anchor}: vLLM {base.version} has no such name in {path}; "
-                                             "anchors name upstream code the change touches (overlay/changes.toml)")
+                                             "anchors name upstream code the change touches (changes.toml)")
     result = {"anchor": anchor, "kind": kind, "in_target": False}
     if after is not None and (name in after.symbols if kind == "symbol" else name in after.mentions):
         line = after.symbols[name][0] if kind == "symbol" else after.mentions[name][0]
@@ -740,7 +740,7 @@ def check_test_ids(tests: list[str], repo_root: Path) -> None:
             isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
             for n in ast.parse(source.read_text()).body)
         if not defined:
-            raise RebaseError(overlay.BAD_INPUT, f"test {node}: no such test function (overlay/changes.toml)")
+            raise RebaseError(overlay.BAD_INPUT, f"test {node}: no such test function (changes.toml)")
 
 
 # --- the rebase ------------------------------------------------------------------------------------
@@ -762,8 +762,8 @@ def check_inputs(inputs: Inputs) -> None:
     that the base does not already show, test ids that exist."""
     manifest, base = inputs.manifest, inputs.base
     if not manifest.changes:
-        raise RebaseError(overlay.BAD_INPUT, "the manifest names no changes: define them in overlay/changes.toml and "
-                                             "run `python3 scripts/overlay.py record --refresh`")
+        raise RebaseError(overlay.BAD_INPUT, "the manifest names no changes: define them in its changes.toml and "
+                                             f"run `python3 scripts/overlay.py record --refresh --vllm {manifest.vllm_version}`")
     for entry in manifest.files:
         member = base.read(entry.path)
         found = None if member is None else wheels.sha256_bytes(member)
@@ -1021,7 +1021,7 @@ def _file_section(path: str, item: dict, base_version: str, target_version: str)
     unplaced = [h for h in item["hunks"] if h["hunk"] in item["unattributed_hunks"]]
     if unplaced:
         out += ["Hunks no change's anchors or introduced names place (merge them by hand, then name them in "
-                "overlay/changes.toml): " + ", ".join(
+                "changes.toml): " + ", ".join(
                     f"{h['hunk']} ({h['merge']}; ours lines {_span_words(h['ours'])})" for h in unplaced) + ".", ""]
     for region in item["conflict_regions"]:
         out += [f"### `{PurePosixPath(path).name}` conflict {region['region']}: changes "
@@ -1074,24 +1074,27 @@ def add_rebase_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index-url", default=wheels.PYPI_SIMPLE, help="PEP 691 simple index (default: PyPI)")
 
 
-def add_rebase_parser(commands) -> argparse.ArgumentParser:
-    """The `rebase` subcommand, for scripts/overlay.py's subparsers."""
-    parser = commands.add_parser("rebase", help="3-way merge the overlay onto another vLLM; report per named change")
+def add_rebase_parser(commands, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """The `rebase` subcommand, for scripts/overlay.py's subparsers (`parents` give --vllm)."""
+    parser = commands.add_parser("rebase", parents=parents,
+                                 help="3-way merge the overlay onto another vLLM; report per named change")
     add_rebase_arguments(parser)
     return parser
 
 
 def _outside(directory: Path, overlay_dir: Path, what: str) -> Path:
-    directory, protected = directory.resolve(), overlay_dir.resolve()
-    if directory == protected or protected in directory.parents or directory in protected.parents:
-        raise RebaseError(overlay.BAD_INPUT, f"{what} {directory}: must not be, hold or lie inside the overlay "
-                                             f"directory {protected} (rebase never writes the overlay)")
+    """`directory`, refused when it is, holds or lies inside the overlay or any of the repo's."""
+    directory = directory.resolve()
+    for protected in (overlay_dir.resolve(), overlay.OVERLAY_ROOT.resolve()):
+        if directory == protected or protected in directory.parents or directory in protected.parents:
+            raise RebaseError(overlay.BAD_INPUT, f"{what} {directory}: must not be, hold or lie inside the overlay "
+                                                 f"directory {protected} (rebase never writes an overlay)")
     return directory
 
 
-def regenerate_command(version: str, recipe_id: str, report_dir: Path | None) -> str:
+def regenerate_command(base: str, version: str, recipe_id: str, report_dir: Path | None) -> str:
     """The command that rewrites this report (both spellings work: the module is the tool)."""
-    parts = ["python3 scripts/overlay.py rebase", f"--to {version}"]
+    parts = ["python3 scripts/overlay.py rebase", f"--vllm {base}", f"--to {version}"]
     if recipe_id != DEFAULT_RECIPE:
         parts.append(f"--recipe {recipe_id}")
     if report_dir is not None and REPO_ROOT in report_dir.parents:
@@ -1127,7 +1130,7 @@ def run_rebase(args) -> int:
     inputs = load(args)
     default_out = REPO_ROOT / "build" / "rebase" / f"{inputs.manifest.vllm_version}-to-{args.to}"
     out_dir = out_dir or _outside(default_out, overlay_dir, "--out")
-    command = regenerate_command(args.to, args.recipe, report_dir)
+    command = regenerate_command(args.vllm, args.to, args.recipe, report_dir)
     try:
         report, merges = rebase(inputs, command, args.target_python, out_dir / "behaviour")
     finally:
@@ -1149,11 +1152,13 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=f"exit codes: {overlay.OK} merged without conflict; {overlay.BAD_INPUT} bad "
                                             f"input; {overlay.DRIFT} the pinned wheel is not what the overlay was made "
                                             f"from; {CONFLICT} conflicts (nothing recorded in any case)")
-    parser.add_argument("--manifest", default=str(overlay.MANIFEST_PATH))
-    parser.add_argument("--overlay-dir", default=str(overlay.OVERLAY_DIR))
+    parser.add_argument("--manifest", help="default: the --vllm base's overlay/vllm-VERSION/manifest.json")
+    parser.add_argument("--overlay-dir", help="default: the --vllm base's overlay/vllm-VERSION/")
+    parser.add_argument("--vllm", metavar="VERSION", help="the base to re-base from (default: the recipe's default)")
     add_rebase_arguments(parser)
     args = parser.parse_args(argv)
     try:
+        overlay.resolve_base(args, args.vllm)
         return run_rebase(args)
     except overlay.OverlayError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,5 +1,11 @@
 """Load and validate a recipe (recipes/<id>.toml), the single source of the image's pins.
 
+A recipe pins one or more vLLM releases, the *bases* (`[vllm."X"]`: the wheels, the CUDA
+toolkit that release's torch was built with, the extras' versions); everything else (base
+image, serving defaults, targets) is shared. `load_recipe(..., vllm=X)` returns the recipe as
+seen from base X (default: `[vllm] default`), so every consumer reads one base's pins the same
+way (`recipe.get("cuda.toolkit")`, `recipe.vllm_version`).
+
 Stdlib only (tomllib). Writing pins back is a targeted text edit (`set_wheel_sha256`,
 `set_base_digest`): the stdlib has no TOML writer, and an edit keeps the file's comments.
 """
@@ -23,10 +29,18 @@ ARCH_OF_PLATFORM = {platform: arch for arch, platform in PLATFORM_OF_ARCH.items(
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-_VERSION = re.compile(r"[0-9]+(\.[0-9]+)*([a-z0-9.+-]*)")
 _PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][A-Za-z0-9.+-]*)")
 _TARGET_ID = re.compile(r"[a-z0-9_]+")
 _RECIPE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+_RELEASE = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+([.+a-z0-9]*)")
+SCHEMA = 2
+# What a base ([vllm."X"]) pins besides the extras' sections its targets name.
+_BASE_KEYS = ("wheels", "cuda")
+
+
+def vllm_dir(version: str) -> str:
+    """The directory name of one base's files (overlay/, recipes/locks/, recipes/requirements/)."""
+    return f"vllm-{version}"
 
 
 class RecipeError(Exception):
@@ -76,10 +90,15 @@ class Target:
 
 @dataclass(frozen=True)
 class Recipe:
+    """The recipe as seen from one base: `vllm_version` and the pins below are that base's;
+    `raw` is the file with that base's sections in place of [vllm] (what `get` reads)."""
+
     id: str
     path: Path
     raw: dict[str, Any]
     vllm_version: str
+    default_vllm: str  # [vllm] default: the base used when none is named
+    vllm_versions: tuple[str, ...]  # every base the recipe pins, in file order
     wheels: dict[str, Wheel]  # by docker platform
     base_image: str
     base_digest: str  # "" when not locked
@@ -143,13 +162,21 @@ def recipe_path(recipe_id: str, recipes_dir: Path = RECIPES_DIR) -> Path:
     return path
 
 
-def load_recipe(recipe_id: str = DEFAULT_RECIPE, recipes_dir: Path = RECIPES_DIR) -> Recipe:
+def load_recipe(recipe_id: str = DEFAULT_RECIPE, recipes_dir: Path = RECIPES_DIR, vllm: str | None = None) -> Recipe:
+    """The recipe for base `vllm` (a vLLM version it pins; None: its default base)."""
     path = recipe_path(recipe_id, recipes_dir)
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError(f"{path}: not valid TOML: {exc}") from exc
-    return parse_recipe(recipe_id, path, raw)
+    return parse_recipe(recipe_id, path, raw, vllm)
+
+
+def load_every_base(recipe_id: str = DEFAULT_RECIPE, recipes_dir: Path = RECIPES_DIR) -> list[Recipe]:
+    """The recipe once per base, the default first."""
+    default = load_recipe(recipe_id, recipes_dir)
+    others = [load_recipe(recipe_id, recipes_dir, v) for v in default.vllm_versions if v != default.vllm_version]
+    return [default, *others]
 
 
 def _need(table: dict, key: str, kind: type, where: str) -> Any:
@@ -173,13 +200,46 @@ def _check(ok: bool, message: str) -> None:
         raise RecipeError(message)
 
 
-def parse_recipe(recipe_id: str, path: Path, raw: dict[str, Any]) -> Recipe:
-    where = str(path)
-    _check(raw.get("schema") == 1, f"{where}: schema must be 1, found {raw.get('schema')!r}")
+def _bases(raw: dict[str, Any], where: str) -> tuple[str, dict[str, dict]]:
+    """([vllm] default, {version: its section}) of a recipe file, every base checked."""
     vllm = _need(raw, "vllm", dict, where)
-    vllm_version = _need(vllm, "version", str, f"{where}: vllm")
-    _check(bool(_VERSION.fullmatch(vllm_version)), f"{where}: vllm.version {vllm_version!r} is not a version")
-    wheels = _parse_wheels(_need(vllm, "wheels", dict, f"{where}: vllm"), vllm_version, where)
+    default = _need(vllm, "default", str, f"{where}: vllm")
+    bases = {k: v for k, v in vllm.items() if k != "default"}
+    _check(bool(bases), f'{where}: no [vllm."X"] section: a recipe pins at least one vLLM release')
+    extras = {e for t in raw.get("targets", {}).values() if isinstance(t, dict) for e in t.get("extras", [])}
+    for version, section in bases.items():
+        _check(bool(_RELEASE.fullmatch(version)) and isinstance(section, dict),
+               f'{where}: vllm.{version!r}: expected a [vllm."X.Y.Z"] table named after a vLLM release')
+        unknown = sorted(set(section) - set(_BASE_KEYS) - extras)
+        _check(not unknown, f'{where}: [vllm."{version}"] has {", ".join(unknown)}: a base pins only '
+                            f'{", ".join(_BASE_KEYS)} and the extras its targets name ({", ".join(sorted(extras)) or "none"})')
+        shared = sorted(set(section) & set(raw))
+        _check(not shared, f'{where}: {", ".join(shared)} is both shared and in [vllm."{version}"]; keep one')
+    _check(default in bases, f"{where}: vllm.default {default!r} is not one of the pinned releases: {', '.join(bases)}")
+    return default, bases
+
+
+def _base_view(raw: dict[str, Any], version: str | None, where: str) -> dict[str, Any]:
+    """The file as seen from base `version` (None: the default): its sections take the place
+    of [vllm], which keeps the version, the default and the list of bases."""
+    default, bases = _bases(raw, where)
+    version = version or default
+    if version not in bases:
+        raise RecipeError(f"{where}: no vLLM {version!r}; this recipe pins: {', '.join(bases)} "
+                          f"(--vllm takes one of them; default {default})")
+    base = bases[version]
+    vllm = {"version": version, "default": default, "versions": list(bases), "wheels": base.get("wheels")}
+    return {**{k: v for k, v in raw.items() if k != "vllm"}, **{k: v for k, v in base.items() if k != "wheels"},
+            "vllm": vllm}
+
+
+def parse_recipe(recipe_id: str, path: Path, file: dict[str, Any], vllm_version: str | None = None) -> Recipe:
+    where = str(path)
+    _check(file.get("schema") == SCHEMA, f"{where}: schema must be {SCHEMA}, found {file.get('schema')!r}")
+    raw = _base_view(file, vllm_version, where)
+    vllm = raw["vllm"]
+    vllm_version = vllm["version"]
+    wheels = _parse_wheels(_need(vllm, "wheels", dict, f'{where}: vllm."{vllm_version}"'), vllm_version, where)
 
     base = _need(raw, "base", dict, where)
     digest = _need(base, "digest", str, f"{where}: base")
@@ -202,6 +262,8 @@ def parse_recipe(recipe_id: str, path: Path, raw: dict[str, Any]) -> Recipe:
         path=path,
         raw=raw,
         vllm_version=vllm_version,
+        default_vllm=vllm["default"],
+        vllm_versions=tuple(vllm["versions"]),
         wheels=wheels,
         base_image=_need(base, "image", str, f"{where}: base"),
         base_digest=digest,
@@ -216,7 +278,7 @@ def parse_recipe(recipe_id: str, path: Path, raw: dict[str, Any]) -> Recipe:
 def _parse_wheels(table: dict, version: str, where: str) -> dict[str, Wheel]:
     wheels = {}
     for platform, entry in table.items():
-        at = f"{where}: vllm.wheels.{platform!r}"
+        at = f'{where}: vllm."{version}".wheels.{platform!r}'
         _check(platform in ARCH_OF_PLATFORM, f"{at}: unknown platform; valid: {', '.join(ARCH_OF_PLATFORM)}")
         filename = _need(entry, "filename", str, at)
         sha = _need(entry, "sha256", str, at)
@@ -230,7 +292,8 @@ def _parse_wheels(table: dict, version: str, where: str) -> dict[str, Wheel]:
 def _parse_extra(name: str, raw: dict, where: str) -> Extra:
     section = raw.get(name)
     _check(isinstance(section, dict) and isinstance(section.get("version"), str),
-           f"{where}: extra {name!r} needs a [{name}] section with a version")
+           f'{where}: extra {name!r} needs a [{name}] section with a version (shared, or in this base\'s '
+           f'[vllm."X".{name}])')
     override = section.get("torch_override")
     overrides = (override,) if override else ()
     for pin in overrides:
@@ -243,7 +306,7 @@ def _parse_target(tid: str, t: dict, raw: dict, wheels: dict[str, Wheel], where:
     _check(bool(_TARGET_ID.fullmatch(tid)), f"{at}: target ids are lower-case letters, digits, _")
     platforms = _str_list(t, "platforms", at)
     for p in platforms:
-        _check(p in wheels, f"{at}: platform {p!r} has no [vllm.wheels.{p!r}]; known: {', '.join(wheels)}")
+        _check(p in wheels, f"{at}: platform {p!r} has no vLLM wheel in this base; known: {', '.join(wheels)}")
     env = _need(t, "env", dict, at)
     _check(all(isinstance(v, str) for v in env.values()), f"{at}.env: values must be strings")
     return Target(
@@ -292,9 +355,9 @@ def _set_in_section(text: str, header: str, key: str, value: str) -> str:
     raise RecipeError(f'recipe section {header} has no line `{key} = "..."`')
 
 
-def set_wheel_sha256(text: str, platform: str, sha256: str) -> str:
+def set_wheel_sha256(text: str, version: str, platform: str, sha256: str) -> str:
     _check(bool(_SHA256.fullmatch(sha256)), f"not a sha256: {sha256!r}")
-    return _set_in_section(text, f'[vllm.wheels."{platform}"]', "sha256", sha256)
+    return _set_in_section(text, f'[vllm."{version}".wheels."{platform}"]', "sha256", sha256)
 
 
 def set_base_digest(text: str, digest: str) -> str:

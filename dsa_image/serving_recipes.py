@@ -230,11 +230,12 @@ def load_serve_recipe(name: str, recipes_dir: Path = RECIPES_DIR, build: Recipe 
     return parse_serve_recipe(name, path, _read_toml(path), recipes_dir, build)
 
 
-def _build_recipe(recipes_dir: Path, build: Recipe | None) -> Recipe:
+def _build_recipe(recipes_dir: Path, build: Recipe | None, vllm: str | None = None) -> Recipe:
+    """The image recipe as seen from base `vllm` (None: its default base)."""
     if build is not None:
         return build
     try:
-        return load_recipe(DEFAULT_RECIPE, recipes_dir)
+        return load_recipe(DEFAULT_RECIPE, recipes_dir, vllm)
     except RecipeError as exc:
         raise RecipeFileError(str(exc)) from exc
 
@@ -707,8 +708,9 @@ def list_recipes(recipes_dir: Path, build: Recipe, target_filter: str | None = N
 # -- command line --------------------------------------------------------------------------
 
 USAGE_TEXT = """\
-%(prog)s --list [--target T]
-%(prog)s NAME [--dry-run] [--target T] [--solo | --nodes HEAD,WORKER,...] [--set KEY=VALUE ...] [-- VLLM ARGS]"""
+%(prog)s --list [--target T] [--vllm VERSION]
+%(prog)s NAME [--dry-run] [--target T] [--vllm VERSION] [--solo | --nodes HEAD,WORKER,...] [--set KEY=VALUE ...]
+    [-- VLLM ARGS]"""
 
 EPILOG = """\
 --set keys: a [vllm] setting (max_model_len, gpu_memory_utilization, kv_cache_dtype, block_size,
@@ -730,6 +732,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--list", "-l", action="store_true", help="list the recipes and their memory plans")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the commands; run nothing")
     parser.add_argument("--target", help="image target (default: the recipe's first; in the image: the image's)")
+    parser.add_argument("--vllm", metavar="VERSION", help="the image's vLLM base (default: the recipe's default; "
+                                                          "in the image: the image's)")
     parser.add_argument("--solo", action="store_true", help="one node, this host")
     parser.add_argument("--nodes", help="comma-separated node addresses, the head first (clusters)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -758,14 +762,14 @@ class Request:
 
 
 def parse_request(argv: list[str], prog: str, recipes_dir: Path, default_target: str | None,
-                  out: Callable[[str], None]) -> Request | int:
+                  out: Callable[[str], None], default_vllm: str | None = None) -> Request | int:
     own, extra = split_extra(argv)
     parser = build_parser(prog)
     try:
         args = parser.parse_args(own)
     except SystemExit as exc:  # argparse printed usage or --help
         return int(exc.code or 0)
-    build = _build_recipe(recipes_dir, None)
+    build = _build_recipe(recipes_dir, None, args.vllm or default_vllm)
     if args.list:
         out(list_recipes(recipes_dir, build, args.target or default_target))
         return OK
@@ -870,9 +874,11 @@ def image_mode(args: list[str], environ: Mapping[str, str]) -> ImagePlan:
         return ImagePlan(error="DSA_IMAGE_TOOL is not set; the image's Dockerfile sets it", exit_code=1)
     recipes_dir = Path(tool) / "recipes"
     image_target = environ.get("DSA_IMAGE_TARGET") or None
+    image_vllm = environ.get("DSA_IMAGE_VLLM") or None
     printed: list[str] = []
     try:
-        request = parse_request(args, "docker run IMAGE recipe", recipes_dir, image_target, printed.append)
+        request = parse_request(args, "docker run IMAGE recipe", recipes_dir, image_target, printed.append,
+                                image_vllm)
         if isinstance(request, int):
             return ImagePlan(output="".join(printed), exit_code=request)
         launch = plan_request(request)
@@ -881,6 +887,8 @@ def image_mode(args: list[str], environ: Mapping[str, str]) -> ImagePlan:
             return ImagePlan(output=text)
         if image_target and launch.target != image_target:
             raise TargetError(f"this is the {image_target} image; recipe {launch.recipe.name} asked for {launch.target}")
+        if image_vllm and request.build.vllm_version != image_vllm:
+            raise TargetError(f"this image runs vLLM {image_vllm}; --vllm asked for {request.build.vllm_version}")
         if len(launch.nodes) > 1:
             raise LayoutError(f"recipe {launch.recipe.name} spans {len(launch.nodes)} nodes: start it from a host "
                               f"with `python3 scripts/serve.py {launch.recipe.name} --nodes ...` (or print the "

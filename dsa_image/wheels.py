@@ -116,7 +116,8 @@ def ensure_wheel(filename: str, sha256: str, index_url: str = PYPI_SIMPLE) -> Pa
     `sha256` (the recipe's pin), checked on every call."""
     if not sha256:
         raise WheelError(
-            f"{filename}: the recipe has no sha256 for it yet; run `python3 scripts/recipe.py lock`"
+            f"{filename}: the recipe has no sha256 for it yet; run `python3 scripts/recipe.py lock --vllm VERSION` "
+            "for its vLLM release"
         )
     path = wheel_cache_path(filename)
     if not path.exists():
@@ -124,7 +125,7 @@ def ensure_wheel(filename: str, sha256: str, index_url: str = PYPI_SIMPLE) -> Pa
         if entry.sha256 != sha256:
             raise WheelError(
                 f"{filename}: the recipe pins sha256 {sha256}, the index lists {entry.sha256}. "
-                "Nothing was downloaded; re-run `python3 scripts/recipe.py lock` if the pin is stale."
+                "Nothing was downloaded; re-run `python3 scripts/recipe.py lock --vllm VERSION` if the pin is stale."
             )
         _download(entry, path)
     found = sha256_file(path)

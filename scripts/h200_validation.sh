@@ -6,7 +6,7 @@
 #            /tmp/site-stock, copy it to /tmp/site-overlay and apply our overlay
 #            there with our tool, verify, make the tiny GLM-5; then run the
 #            indexer metadata probe on both (equivalence, syncs,
-#            block-table width, b12x metadata path, DCP) and compare.
+#            block-table width, b12x metadata path) and compare.
 #   prepare  the install phase without the probes (to serve on a fresh machine).
 #   hosttime build() host time, stock and overlay interleaved in one process.
 #   toolchain the smoke test with the image's pip CUDA toolkit as the only toolkit.
@@ -50,7 +50,7 @@ environment() {
     python3 -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
     # The device's copy of the repository carries no reliable git state: name the overlay
     # by its manifest (which hashes every overlaid file).
-    echo "overlay manifest sha256 $(sha256sum "$repo/overlay/manifest.json" | cut -d' ' -f1)"
+    echo "overlay manifest sha256 $(sha256sum "$repo/overlay/vllm-0.24.0/manifest.json" | cut -d' ' -f1)"
   } > "$results/environment.txt" 2>&1
   cat "$results/environment.txt"
 }
@@ -65,10 +65,10 @@ install() {
     > "$results/pip-install.log" 2>&1 || { tail -20 "$results/pip-install.log"; exit 1; }
   cp -a /tmp/site-stock /tmp/site-overlay
   log "applying the overlay with our tool"
-  python3 "$repo/scripts/overlay.py" apply --site-packages /tmp/site-overlay \
+  python3 "$repo/scripts/overlay.py" apply --vllm 0.24.0 --site-packages /tmp/site-overlay \
     2>&1 | tee "$results/overlay-apply.log" || exit 1
   cp /tmp/site-overlay/vllm_overlay_receipt.json "$results/"
-  (cd /tmp && PYTHONPATH=/tmp/site-overlay python3 "$repo/scripts/overlay.py" verify \
+  (cd /tmp && PYTHONPATH=/tmp/site-overlay python3 "$repo/scripts/overlay.py" verify --vllm 0.24.0 \
     --site-packages /tmp/site-overlay) 2>&1 | tee "$results/overlay-verify.log" || exit 1
   python3 "$repo/scripts/make_tiny_model.py" /tmp/tiny-glm5 > /dev/null
 }

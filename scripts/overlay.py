@@ -1,5 +1,9 @@
 #!/usr/bin/env python3
-"""Put the overlay (overlay/vllm/...) over an installed vLLM and prove it is there.
+"""Put the overlay (overlay/vllm-<version>/vllm/...) over an installed vLLM and prove it is there.
+
+Every command works on one base, the vLLM release `--vllm VERSION` names (default: the
+recipe's default base; verify: $DSA_IMAGE_VLLM first, which the image sets): its overlay is
+overlay/vllm-VERSION/ (--overlay-dir) with its manifest.json (--manifest).
 
 commands:
   check                         manifest, overlay files and the pinned wheels agree (offline
@@ -27,10 +31,10 @@ commands:
   record --remove PATH...       drop entries
   rebase --to VERSION [--out DIR] [--report-dir DIR] [--target-python PY]
          [--wheel FILE --wheel-sha256 SHA]
-                                3-way merge of each overlay file onto vLLM VERSION (wheel
-                                hash-checked) into DIR (default build/rebase/<from>-to-<to>/),
-                                never overlay/; report.md/.json per named change
-                                (overlay/changes.toml); records nothing
+                                3-way merge of each file of the --vllm overlay onto vLLM
+                                VERSION (wheel hash-checked) into DIR (default
+                                build/rebase/<from>-to-<to>/), never overlay/; report.md/.json
+                                per named change (its changes.toml); records nothing
 
 apply, revert and verify lock DIR (flock on the directory): a second one waits up to
 --lock-timeout seconds (default 120), then exits 4. A run killed outright (SIGKILL) leaves
@@ -70,6 +74,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dsa_image import bake, overlay, rebase  # noqa: E402
 from dsa_image.recipe import DEFAULT_RECIPE, REPO_ROOT, load_recipe  # noqa: E402
 
+# The image sets it to the base it was built on: verify there checks that base's overlay.
+IMAGE_VLLM_ENV = "DSA_IMAGE_VLLM"
+
 
 def say(message: str) -> None:
     print(message, file=sys.stderr)
@@ -88,6 +95,8 @@ def purelib_of(python: str) -> Path:
 
 
 def run(args) -> int:
+    # verify in the image checks the base the image was built on.
+    overlay.resolve_base(args, args.vllm or (os.environ.get(IMAGE_VLLM_ENV) if args.command == "verify" else None))
     if args.command == "rebase":
         return rebase.run_rebase(args)
     manifest, overlay_dir = Path(args.manifest), Path(args.overlay_dir)
@@ -119,24 +128,28 @@ def record(args, manifest: Path, overlay_dir: Path) -> None:
         raise overlay.OverlayError(overlay.BAD_INPUT, "record: give PATH... or --refresh")
     if args.remove and (args.refresh or args.why):
         raise overlay.OverlayError(overlay.BAD_INPUT, "record: --remove takes only PATH...")
-    result = overlay.record(args.paths, args.why, args.refresh, args.remove, args.recipe, manifest, overlay_dir)
+    result = overlay.record(args.paths, args.why, args.refresh, args.remove, args.recipe, args.vllm, manifest,
+                            overlay_dir)
     say(f"{args.manifest}: {len(result.files)} entries")
-    if manifest.resolve() == overlay.MANIFEST_PATH.resolve():
+    if manifest.resolve() == overlay.manifest_path(args.vllm).resolve():
         # The image's receipt label is derived from the manifest: keep it in step.
-        recipe = load_recipe(args.recipe)
-        (REPO_ROOT / bake.BAKE_JSON).write_text(bake.render_bake_json(recipe))
-        say(f"{bake.BAKE_JSON}: RECEIPT_SHA256 {bake.bake_variables(recipe)['RECEIPT_SHA256']}")
+        (REPO_ROOT / bake.BAKE_JSON).write_text(bake.render_bake_json(args.recipe))
+        receipt = overlay.predicted_receipt_sha256(load_recipe(args.recipe, vllm=args.vllm))
+        say(f"{bake.BAKE_JSON}: RECEIPT_SHA256 of vLLM {args.vllm} {receipt}")
 
 
 def parser() -> argparse.ArgumentParser:
     main = argparse.ArgumentParser(prog="scripts/overlay.py", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    main.add_argument("--manifest", default=str(overlay.MANIFEST_PATH), help="default: overlay/manifest.json of this repo")
-    main.add_argument("--overlay-dir", default=str(overlay.OVERLAY_DIR), help="default: overlay/ of this repo")
+    main.add_argument("--manifest", help="default: overlay/vllm-VERSION/manifest.json of this repo")
+    main.add_argument("--overlay-dir", help="default: overlay/vllm-VERSION/ of this repo")
     commands = main.add_subparsers(dest="command", required=True)
-    check = commands.add_parser("check", help="manifest <-> overlay files <-> pinned wheels")
+    base = argparse.ArgumentParser(add_help=False)
+    base.add_argument("--vllm", metavar="VERSION", help="the base: a vLLM release the recipe pins (default: the "
+                                                        f"recipe's default; verify: ${IMAGE_VLLM_ENV} first)")
+    check = commands.add_parser("check", parents=[base], help="manifest <-> overlay files <-> pinned wheels")
     check.add_argument("--recipe", default=DEFAULT_RECIPE)
-    locked = argparse.ArgumentParser(add_help=False)
+    locked = argparse.ArgumentParser(add_help=False, parents=[base])
     locked.add_argument("--lock-timeout", type=float, default=overlay.LOCK_TIMEOUT, metavar="SECONDS",
                         help="how long to wait for another apply/revert on the same DIR (default: %(default)g)")
     apply = commands.add_parser("apply", parents=[locked], help="overlay a site-packages, all or nothing")
@@ -152,15 +165,15 @@ def parser() -> argparse.ArgumentParser:
     verify.add_argument("--receipt", help="default: SITE_PACKAGES/vllm_overlay_receipt.json")
     verify.add_argument("--recipe", default=os.environ.get("DSA_IMAGE_RECIPE") or DEFAULT_RECIPE,
                         help=f"the recipe the receipt must name (default: $DSA_IMAGE_RECIPE if set, else {DEFAULT_RECIPE})")
-    diff = commands.add_parser("diff", help="overlay vs upstream, unified diff")
+    diff = commands.add_parser("diff", parents=[base], help="overlay vs upstream, unified diff")
     diff.add_argument("--recipe", default=DEFAULT_RECIPE)
-    record = commands.add_parser("record", help="add, refresh or remove manifest entries")
+    record = commands.add_parser("record", parents=[base], help="add, refresh or remove manifest entries")
     record.add_argument("paths", nargs="*", metavar="PATH")
     record.add_argument("--why", help="one line: why this file is overlaid")
     record.add_argument("--refresh", action="store_true", help="recompute the hashes of every entry")
     record.add_argument("--remove", action="store_true", help="drop the entries for PATH...")
     record.add_argument("--recipe", default=DEFAULT_RECIPE)
-    rebase.add_rebase_parser(commands)
+    rebase.add_rebase_parser(commands, parents=[base])
     return main
 
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """`pip check` for an image target, accepting only the conflicts its recipe overrides.
 
-  pip_check.py --target sm120 [--recipe glm5-dsa] [--recipes-dir DIR]
+  pip_check.py --target sm120 [--recipe glm5-dsa] [--vllm VERSION] [--recipes-dir DIR]
+
+--vllm: the base the image was built on (default: the recipe's default); its extras say which
+conflicts are overridden.
 
 Exit codes: 0 nothing but recorded overrides; 1 other broken requirements (listed); 2 usage.
 """
@@ -22,10 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True)
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
+    parser.add_argument("--vllm", metavar="VERSION")
     parser.add_argument("--recipes-dir", type=Path, default=RECIPES_DIR)
     args = parser.parse_args(argv)
     try:
-        target = load_recipe(args.recipe, args.recipes_dir).target(args.target)
+        target = load_recipe(args.recipe, args.recipes_dir, args.vllm).target(args.target)
     except RecipeError as exc:
         print(f"pip_check: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,8 @@
-"""docker-bake.hcl + docker-bake.json: what `docker buildx bake --print` resolves, per target.
+"""docker-bake.hcl + docker-bake.json: what `docker buildx bake --print` resolves, per target and
+base. Expected values come from the recipe; the bake file and the Dockerfile must not repeat pins.
 
-Expected values come from the recipe; the bake file and the Dockerfile must not repeat pins."""
+The plain names (sm120, sm100, sm90, test, the default group) build the recipe's default base;
+every base also builds as <target>-vllm<version, _ for .>."""
 
 from __future__ import annotations
 
@@ -12,12 +14,18 @@ import pytest
 from dsa_image import image_build
 from dsa_image.bake import bake_variables
 from dsa_image.overlay import predicted_receipt_sha256
-from dsa_image.recipe import load_recipe
+from dsa_image.recipe import Recipe, load_every_base, load_recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()
-VARIABLES = bake_variables(RECIPE)
+BASES = load_every_base()
+VARIABLES = bake_variables(BASES)
 pytestmark = pytest.mark.docker
+
+
+def versioned(target_id: str, recipe: Recipe) -> str:
+    """A base's own name for a target: sm120-vllm0_33_0."""
+    return f"{target_id}-vllm{recipe.vllm_version.replace('.', '_')}"
 
 
 def _print(targets: list[str], **variables: str) -> dict:
@@ -36,33 +44,36 @@ def _print(targets: list[str], **variables: str) -> dict:
         os.environ.update(saved)
 
 
-def test_default_group_is_every_recipe_target(buildx):
+def test_default_group_is_every_recipe_target_of_the_default_base(buildx):
     printed = _print([])
     assert sorted(printed["group"]["default"]["targets"]) == sorted(RECIPE.targets)
+    assert {t["args"]["VLLM_VERSION"] for t in printed["target"].values()} == {RECIPE.default_vllm}
 
 
-@pytest.mark.parametrize("target_id", list(RECIPE.targets))
-def test_each_target_passes_the_recipes_pins_as_args(buildx, target_id):
-    target = RECIPE.target(target_id)
-    resolved = _print([target_id])["target"][target_id]
+@pytest.mark.parametrize("target_id, recipe, name", [
+    *((t, RECIPE, t) for t in RECIPE.targets),
+    *((t, recipe, versioned(t, recipe)) for recipe in BASES for t in recipe.targets)])
+def test_each_target_passes_the_recipes_pins_as_args(buildx, target_id, recipe, name):
+    target = recipe.target(target_id)
+    resolved = _print([name])["target"][name]
     assert resolved["context"] == "." and resolved["dockerfile"] == "Dockerfile"
     assert resolved["target"] == "runtime"
     assert resolved["args"] == {
-        "BASE_IMAGE": RECIPE.base_ref,
-        "PYTHON_VERSION": RECIPE.python,
-        "VLLM_VERSION": RECIPE.vllm_version,
-        "RECIPE": RECIPE.id,
-        "DEFAULT_MODEL": RECIPE.serving["default_model"],
-        "PORT": str(RECIPE.serving["port"]),
+        "BASE_IMAGE": recipe.base_ref,
+        "PYTHON_VERSION": recipe.python,
+        "VLLM_VERSION": recipe.vllm_version,
+        "RECIPE": recipe.id,
+        "DEFAULT_MODEL": recipe.serving["default_model"],
+        "PORT": str(recipe.serving["port"]),
         "TARGET": target_id,
         "PLATFORMS": ",".join(target.platforms),
         "CUDA_ARCH_LIST": ";".join(target.cuda_arch),
         "EXTRAS_LOCK": target_id if target.extras else "",
-        "RECEIPT_SHA256": predicted_receipt_sha256(RECIPE.id),
-        "VLLM_WHEEL_SHA256_AMD64": RECIPE.wheel("linux/amd64").sha256,
-        "VLLM_WHEEL_SHA256_ARM64": RECIPE.wheel("linux/arm64").sha256,
+        "RECEIPT_SHA256": predicted_receipt_sha256(recipe),
+        "VLLM_WHEEL_SHA256_AMD64": recipe.wheel("linux/amd64").sha256,
+        "VLLM_WHEEL_SHA256_ARM64": recipe.wheel("linux/arm64").sha256,
     }
-    assert resolved["tags"] == [f"dsa-image:{RECIPE.vllm_version}-{target_id}"]
+    assert resolved["tags"] == [f"dsa-image:{recipe.vllm_version}-{target_id}"]
     assert resolved["network"] == "default"
     assert len(resolved["platforms"]) == 1  # a local build loads this machine's platform only
     assert resolved["output"] == [{"type": "docker"}]
@@ -92,13 +103,17 @@ def test_network_ca_secret_and_cache_variables_reach_the_targets(buildx):
 
 def test_test_target_builds_the_sm120_test_stage_and_exports_its_results(buildx):
     """Every `test` build, cached or not, hands over the in-image results: the stage that holds
-    them only, written to build/test-results, which the image tests read."""
-    printed = _print(["test"])["target"]
-    resolved = printed["test"]
-    assert resolved["target"] == "test-results"
-    assert resolved["args"]["TARGET"] == "sm120"
-    assert resolved["output"] == [{"type": "local", "dest": "build/test-results"}]
-    assert "tags" not in resolved or resolved["tags"] == []
+    them only, written to build/test-results (a base's own: build/test-results-vllm<version>),
+    which the image tests read."""
+    names = ["test", *(versioned("test", recipe) for recipe in BASES)]
+    printed = _print(names)["target"]
+    for name, recipe in zip(names, [RECIPE, *BASES]):
+        resolved = printed[name]
+        assert resolved["target"] == "test-results"
+        assert resolved["args"]["TARGET"] == "sm120" and resolved["args"]["VLLM_VERSION"] == recipe.vllm_version
+        dest = "build/test-results" if name == "test" else f"build/test-results-{name.removeprefix('test-')}"
+        assert resolved["output"] == [{"type": "local", "dest": dest}]
+        assert "tags" not in resolved or resolved["tags"] == []
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     stage = dockerfile.split("FROM scratch AS test-results\n", 1)[1].split("\n# ---", 1)[0]
     assert stage.strip() == "COPY --from=test /opt/dsa-image/test-results/ /"
@@ -108,13 +123,15 @@ def test_test_target_builds_the_sm120_test_stage_and_exports_its_results(buildx)
 
 
 def _pins() -> list[str]:
-    """Every pinned value of the recipe a bake file or Dockerfile could copy."""
-    pins = [RECIPE.vllm_version, RECIPE.base_image, f"python{RECIPE.python}"]
-    pins += [pin.split("==")[1] for pin in RECIPE.cuda_toolkit]
-    pins += [w.sha256 for w in RECIPE.wheels.values() if w.sha256] + [w.filename for w in RECIPE.wheels.values()]
-    pins += [e.version for t in RECIPE.targets.values() for e in t.extras]
-    pins += [RECIPE.serving["default_model"], RECIPE.serving["served_model_name"]]
-    pins += [t.kv_cache_dtype for t in RECIPE.targets.values() if t.kv_cache_dtype != "auto"]
+    """Every pinned value of the recipe, of every base, a bake file or Dockerfile could copy."""
+    pins = []
+    for recipe in BASES:
+        pins += [recipe.vllm_version, recipe.vllm_version.replace(".", "_"), recipe.base_image, f"python{recipe.python}"]
+        pins += [pin.split("==")[1] for pin in recipe.cuda_toolkit]
+        pins += [w.sha256 for w in recipe.wheels.values() if w.sha256] + [w.filename for w in recipe.wheels.values()]
+        pins += [e.version for t in recipe.targets.values() for e in t.extras]
+        pins += [recipe.serving["default_model"], recipe.serving["served_model_name"]]
+        pins += [t.kv_cache_dtype for t in recipe.targets.values() if t.kv_cache_dtype != "auto"]
     return sorted(set(pins))
 
 

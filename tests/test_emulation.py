@@ -18,11 +18,14 @@ from pathlib import Path
 import pytest
 
 from dsa_image import b12x_api
+from dsa_image.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 EMULATION = REPO / "emulation"
 EMULATED_INDEXER = EMULATION / "b12x" / "attention" / "indexer.py"
-OVERLAY_SOURCE = (REPO / "overlay" / b12x_api.OVERLAY_MODULE).read_text()
+# The emulation stands in for b12x 0.30's b12x.attention.indexer: the vLLM 0.24.0 overlay's API.
+EMULATED_BASE = load_recipe(vllm="0.24.0")
+OVERLAY_SOURCE = (REPO / "overlay" / "vllm-0.24.0" / b12x_api.OVERLAY_MODULE).read_text()
 
 if not EMULATION.is_dir():  # the image's test stage: emulation/ stays out of every image
     pytest.skip("emulation/ is not in this tree (never in an image)", allow_module_level=True)
@@ -117,7 +120,7 @@ def test_the_emulation_mirrors_the_pinned_wheels_constants():
 
     from dsa_image import wheels
 
-    wheel = wheels.ensure_wheel(*pinned_b12x())
+    wheel = wheels.ensure_wheel(*pinned_b12x(EMULATED_BASE))
     files = b12x_api.WheelSources(wheel).files
     expected = _emulated_constants()
     assert len(expected) >= 15
@@ -347,7 +350,7 @@ def test_the_emulation_agrees_with_b12xs_own_references(emulated):
     from dsa_image import wheels
     from tests.test_b12x_api import pinned_b12x
 
-    reference = _wheel_module(wheels.ensure_wheel(*pinned_b12x()), "b12x/attention/indexer/reference.py")
+    reference = _wheel_module(wheels.ensure_wheel(*pinned_b12x(EMULATED_BASE)), "b12x/attention/indexer/reference.py")
     inputs = paged(rows=3, columns=8, heads=8, seed=4)
     theirs = reference.paged_decode_logits_reference(
         q_fp8=inputs["q_fp8"], weights=inputs["weights"], index_k_cache=inputs["index_k_cache"].contiguous(),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsa_image import image_build
-from dsa_image.overlay import predicted_receipt_sha256
+from dsa_image.overlay import manifest_path, predicted_receipt_sha256
 from dsa_image.recipe import load_recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def test_labels_name_the_recipe_and_vllm(docker_client, runtime_image):
     assert labels["dsa-image.cuda-arch"] == ";".join(target.cuda_arch)
     assert labels["org.opencontainers.image.version"] == f"{RECIPE.vllm_version}-sm120"
     assert labels["dsa-image.receipt"] == "/opt/dsa-image/receipt.json"
-    assert labels["dsa-image.receipt.sha256"] == predicted_receipt_sha256(RECIPE.id)
+    assert labels["dsa-image.receipt.sha256"] == predicted_receipt_sha256(RECIPE)
     for platform, wheel in RECIPE.wheels.items():
         arch = platform.split("/")[1]
         assert labels[f"dsa-image.vllm.wheel-sha256.{arch}"] == wheel.sha256
@@ -109,7 +109,7 @@ def _file_in_image(client, image: str, path: str) -> str:
 def test_receipt_names_the_overlay_hashes_and_its_recorded_sha256(docker_client, runtime_image):
     receipt_text = _file_in_image(docker_client, runtime_image, "/opt/dsa-image/receipt.json")
     receipt = json.loads(receipt_text)
-    manifest_raw = (REPO_ROOT / "overlay" / "manifest.json").read_bytes()
+    manifest_raw = manifest_path(RECIPE.vllm_version).read_bytes()
     manifest = json.loads(manifest_raw)
     assert receipt["recipe"] == RECIPE.id and receipt["vllm_version"] == RECIPE.vllm_version
     assert receipt["manifest_sha256"] == hashlib.sha256(manifest_raw).hexdigest()

@@ -17,8 +17,8 @@ from dsa_image.recipe import REPO_ROOT, load_recipe
 
 RECIPE = load_recipe()
 SM120 = RECIPE.target("sm120")
-ENVIRON = {"DSA_IMAGE_TOOL": str(REPO_ROOT), "DSA_IMAGE_RECIPE": RECIPE.id, "DSA_IMAGE_TARGET": "sm120",
-           "DSA_IMAGE_SITE_PACKAGES": "/nonexistent"}
+ENVIRON = {"DSA_IMAGE_TOOL": str(REPO_ROOT), "DSA_IMAGE_RECIPE": RECIPE.id, "DSA_IMAGE_VLLM": RECIPE.vllm_version,
+           "DSA_IMAGE_TARGET": "sm120", "DSA_IMAGE_SITE_PACKAGES": "/nonexistent"}
 
 
 def _value(argv: list[str], flag: str) -> str:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dsa_image import pip_check
-from dsa_image.recipe import load_recipe
+from dsa_image.recipe import load_every_base
 
-RECIPE = load_recipe()
+# A base whose sm120 extras override a requirement (vLLM 0.24.0: b12x's torch floor).
+RECIPE = next(r for r in load_every_base() if any(e.overrides for e in r.target("sm120").extras))
 
 
 def _override_line(target_id: str) -> str:

@@ -3,7 +3,8 @@ recipe's sha256) or a file the index lists for that name==version.
 
 Offline (`scripts/recipe.py check`, `lock.lock_problems`): the vllm pin carries exactly the
 recipe's wheel sha256 for the lock's arch; a release carries the same hashes in every lock; each
-lock has the sha256 `lock` recorded in recipes/locks/SHA256SUMS; a lock has only lines uv writes.
+lock has the sha256 `lock` recorded in its directory's SHA256SUMS; a lock has only lines uv writes.
+The locks checked are the default base's (and the dev lock every base shares).
 Online (`check --online`, `lock.online_problems`): every hash is a file of that release on the
 index. The edits below are made to copies of the real locks, with hashes derived from real ones.
 The tests that reach the index (and uv's) are marked `wheel`, like the repository's other
@@ -27,10 +28,10 @@ from dsa_image.recipe import load_recipe, set_wheel_sha256
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()
-AMD64_LOCKS = [lock.common_lock("amd64"), lock.target_lock(RECIPE.target("sm120"), "amd64")]
-ARM64_LOCKS = [lock.common_lock("arm64"), lock.target_lock(RECIPE.target("sm120"), "arm64")]
+AMD64_LOCKS = [lock.common_lock(RECIPE, "amd64"), lock.target_lock(RECIPE, RECIPE.target("sm120"), "amd64")]
+ARM64_LOCKS = [lock.common_lock(RECIPE, "arm64"), lock.target_lock(RECIPE, RECIPE.target("sm120"), "arm64")]
 ARCH_LOCKS = [(job.output, job.arch) for job in lock.lock_jobs(RECIPE) if job.arch]
-REGENERATE = f"run `{lock.COMPILE_COMMAND}` (never edit a lock by hand)"
+REGENERATE = f"run `{lock.lock_command(RECIPE.vllm_version)}` (never edit a lock by hand)"
 
 pytestmark = pytest.mark.skipif(os.environ.get("DSA_IMAGE_IN_IMAGE") == "1",
                                 reason="checks generated repository files the image does not carry")
@@ -63,18 +64,19 @@ def replace(root: Path, path: Path, old: str, new: str) -> None:
 
 
 def sums_line(path: Path) -> tuple[int, str]:
-    """(line number, recorded sha256) of `path` in the committed SHA256SUMS."""
-    for number, line in enumerate((REPO / lock.LOCK_SUMS).read_text().splitlines(), 1):
+    """(line number, recorded sha256) of `path` in the committed SHA256SUMS of its directory."""
+    sums = lock.sums_file(path.parent)
+    for number, line in enumerate((REPO / sums).read_text().splitlines(), 1):
         digest, _, name = line.partition("  ")
         if name == path.name:
             return number, digest
-    raise AssertionError(f"{lock.LOCK_SUMS} has no line for {path.name}")
+    raise AssertionError(f"{sums} has no line for {path.name}")
 
 
 def sums_problem(root: Path, path: Path) -> str:
     number, recorded = sums_line(path)
     found = hashlib.sha256((root / path).read_bytes()).hexdigest()
-    return (f"{path}: its sha256 is {found}, {lock.LOCK_SUMS}:{number} records {recorded} as `lock` wrote it: "
+    return (f"{path}: its sha256 is {found}, {lock.sums_file(path.parent)}:{number} records {recorded} as `lock` wrote it: "
             f"the lock changed since. `{lock.CHECK_ONLINE_COMMAND}` names every hash the index does not list; "
             f"{REGENERATE}")
 
@@ -88,9 +90,12 @@ def test_vllm_pin_carries_exactly_the_recipe_wheel(path, arch):
 
 
 def test_sha256sums_records_every_lock():
-    assert (REPO / lock.LOCK_SUMS).read_text() == lock.lock_sums(RECIPE)
-    listed = [line.partition("  ")[2] for line in (REPO / lock.LOCK_SUMS).read_text().splitlines()]
-    assert listed == [p.name for p in lock.expected_locks(RECIPE)]
+    sums = lock.lock_sums(RECIPE)
+    assert list(sums) == [lock.sums_file(lock.locks_dir(RECIPE)), lock.sums_file(lock.LOCKS_DIR)]
+    for path, text in sums.items():
+        assert (REPO / path).read_text() == text
+        listed = [line.partition("  ")[2] for line in text.splitlines()]
+        assert listed == [p.name for p in lock.expected_locks(RECIPE) if p.parent == path.parent]
 
 
 def test_every_release_has_the_same_hashes_in_every_lock():
@@ -107,7 +112,7 @@ def test_every_release_has_the_same_hashes_in_every_lock():
 
 def test_same_hash_edited_in_both_amd64_locks(tmp_path):
     root = copy_locks(tmp_path)
-    torch = pin_of(lock.common_lock("amd64"), "torch")
+    torch = pin_of(lock.common_lock(RECIPE, "amd64"), "torch")
     old = min(torch.hashes)
     new = derived(old)
     for path in AMD64_LOCKS:
@@ -161,7 +166,7 @@ def test_changed_hash_in_dev_lock(tmp_path):
 def test_changed_hash_of_a_shared_release_in_dev_lock(tmp_path):
     root = copy_locks(tmp_path)
     packaging = pin_of(lock.DEV_LOCK, "packaging")
-    assert pin_of(lock.common_lock("amd64"), "packaging") == packaging
+    assert pin_of(lock.common_lock(RECIPE, "amd64"), "packaging") == packaging
     old = min(packaging.hashes)
     replace(root, lock.DEV_LOCK, old, derived(old))
     assert lock.lock_problems(RECIPE, root=root), "check did not notice the edited dev.txt"
@@ -260,7 +265,7 @@ def test_pin_vllm_wheel_narrows_what_uv_writes(path, arch):
 @pytest.mark.parametrize("uv", ["false", "/nonexistent/uv"])
 def test_a_failed_resolve_leaves_the_lock_as_it_was(tmp_path, uv):
     root = copy_locks(tmp_path)
-    job = next(j for j in lock.lock_jobs(RECIPE) if j.output == lock.common_lock("amd64"))
+    job = next(j for j in lock.lock_jobs(RECIPE) if j.output == lock.common_lock(RECIPE, "amd64"))
     with pytest.raises((lock.LockError, OSError)):
         lock.resolve(job, RECIPE, shutil.which(uv) or uv, root)
     assert (root / job.output).read_bytes() == (REPO / job.output).read_bytes()
@@ -272,7 +277,7 @@ def test_lock_replaces_hand_edited_hashes(tmp_path):
     edited torch hash are gone after resolving again (versions kept)."""
     root = copy_locks(tmp_path)
     shutil.copytree(REPO / lock.REQUIREMENTS_DIR, root / lock.REQUIREMENTS_DIR)
-    path = lock.common_lock("amd64")
+    path = lock.common_lock(RECIPE, "amd64")
     torch = pin_of(path, "torch")
     old = min(torch.hashes)
     replace(root, path, old, derived(old))
@@ -290,9 +295,11 @@ def test_lock_replaces_hand_edited_hashes(tmp_path):
 
 
 @pytest.mark.wheel
-def test_cli_check_online_passes():
-    """The full online check of every committed lock (about 15 s: one index page per project)."""
-    done = subprocess.run([sys.executable, str(REPO / "scripts/recipe.py"), "check", "--online"],
+@pytest.mark.parametrize("version", RECIPE.vllm_versions)
+def test_cli_check_online_passes(version):
+    """The full online check of every committed lock of each base (about 15 s: one index page
+    per project)."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts/recipe.py"), "check", "--online", "--vllm", version],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "every lock hash is a file the index lists for its pin" in done.stderr
@@ -339,10 +346,10 @@ def test_online_checks_the_recipe_wheels_against_the_index(tmp_path):
     recipes = tmp_path / "recipes"
     recipes.mkdir()
     swapped = RECIPE.wheel("arm64").sha256
-    (recipes / RECIPE.path.name).write_text(set_wheel_sha256(RECIPE.path.read_text(), "linux/amd64", swapped))
+    (recipes / RECIPE.path.name).write_text(set_wheel_sha256(RECIPE.path.read_text(), RECIPE.vllm_version, "linux/amd64", swapped))
     edited = load_recipe(RECIPE.id, recipes)
     assert lock.online_problems(edited, paths=[]) == [
-        f"{edited.path}: vllm.wheels.\"linux/amd64\".sha256 is {swapped}, expected {RECIPE.wheel('amd64').sha256}, "
+        f"{edited.path}: vllm.\"{RECIPE.vllm_version}\".wheels.\"linux/amd64\".sha256 is {swapped}, expected {RECIPE.wheel('amd64').sha256}, "
         f"the sha256 https://pypi.org/simple/vllm/ lists for {RECIPE.wheel('amd64').filename}; {REGENERATE}"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import importlib.util
 import json
@@ -17,7 +18,7 @@ from dsa_image import overlay, wheels
 from dsa_image.manifest import Entry, ManifestError, manifest_bytes, parse_manifest, record_entry
 from dsa_image.wheels import sha256_bytes
 
-from overlay_helpers import OVERLAY, REPO, UPSTREAM, VERSION, Tree, expect_error, run_cli, snapshot, write_tree
+from overlay_helpers import OVERLAY, RECIPE, REPO, UPSTREAM, VERSION, Tree, expect_error, run_cli, snapshot, write_tree
 
 
 @pytest.fixture
@@ -155,7 +156,8 @@ def test_malformed_manifest(tree, mutate):
 def test_manifest_for_another_vllm_than_the_recipe(tree):
     doc = json.loads(tree.manifest_path.read_bytes())
     tree.manifest_path.write_text(json.dumps({**doc, "vllm_version": "0.25.0"}))
-    assert f"recipe glm5-dsa pins vLLM {VERSION}" in expect_error(overlay.BAD_INPUT, tree.apply)
+    assert "made for vLLM 0.25.0, but recipe glm5-dsa pins vLLM 0.24.0, 0.33.0" in expect_error(overlay.BAD_INPUT,
+                                                                                               tree.apply)
 
 
 def test_unknown_recipe(tree):
@@ -237,10 +239,11 @@ def test_receipts_are_reproducible(tmp_path):
 def test_the_receipt_is_predicted_from_the_manifest(tree):
     """The image label carries the receipt's sha256 before the build: it must be exactly the
     sha256 of the receipt apply then writes, and change when the manifest does."""
-    predicted = overlay.predicted_receipt_sha256("glm5-dsa", tree.manifest_path)
+    predicted = overlay.predicted_receipt_sha256(RECIPE, tree.manifest_path)
     tree.apply()
     assert wheels.sha256_file(tree.site / overlay.RECEIPT_NAME) == predicted
-    assert overlay.predicted_receipt_sha256("another-recipe", tree.manifest_path) != predicted
+    another = dataclasses.replace(RECIPE, id="another-recipe")
+    assert overlay.predicted_receipt_sha256(another, tree.manifest_path) != predicted
 
 
 def test_same_path_same_bytes(tmp_path):
@@ -377,6 +380,16 @@ def test_cli_apply_and_verify(tree):
     assert done.returncode == 0, done.stderr
     assert run_cli(*common, "apply", "--site-packages", str(tree.site), "--recipe", "nope").returncode == overlay.BAD_INPUT
     assert run_cli("apply").returncode == 2  # usage: --site-packages is required
+
+
+def test_cli_vllm_picks_the_base_and_refuses_a_release_the_recipe_does_not_pin(tree):
+    unknown = run_cli("check", "--vllm", "0.25.0")
+    assert unknown.returncode == overlay.BAD_INPUT
+    assert "no vLLM '0.25.0'; this recipe pins: 0.24.0, 0.33.0" in unknown.stderr
+    # verify in the image reads the base from DSA_IMAGE_VLLM: a wrong one is refused, not ignored
+    env = {**os.environ, "DSA_IMAGE_VLLM": "0.25.0"}
+    done = run_cli("verify", "--site-packages", str(tree.site), env=env)
+    assert done.returncode == overlay.BAD_INPUT and "no vLLM '0.25.0'" in done.stderr
 
 
 # --- the receipt path may never be a managed file ------------------------------------------

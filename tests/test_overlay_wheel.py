@@ -1,8 +1,9 @@
-"""The overlay against the real pinned vLLM wheel (downloaded once into the cache through
-dsa_image.wheels, so this works from a clean clone)."""
+"""Each base's overlay against its real pinned vLLM wheel (downloaded once into the cache
+through dsa_image.wheels, so this works from a clean clone)."""
 
 from __future__ import annotations
 
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -10,25 +11,39 @@ import pytest
 
 from dsa_image import overlay, wheels
 from dsa_image.manifest import load_manifest, manifest_bytes
-from dsa_image.recipe import load_recipe
+from dsa_image.recipe import Recipe, load_every_base
 
 pytestmark = pytest.mark.wheel
 
-RECIPE = load_recipe()
+BASES = {recipe.vllm_version: recipe for recipe in load_every_base()}
 
 
-@pytest.fixture(scope="module")
-def wheel() -> Path:
-    return overlay.reference_wheel(RECIPE)
+@pytest.fixture(params=list(BASES))
+def base(request) -> Recipe:
+    return BASES[request.param]
 
 
-def site_from_wheel(wheel: Path, root: Path) -> Path:
+@pytest.fixture
+def wheel(base) -> Path:
+    return overlay.reference_wheel(base)
+
+
+def manifest_of(base: Recipe):
+    return load_manifest(overlay.manifest_path(base.vllm_version))[0]
+
+
+def apply(base: Recipe, site: Path) -> dict:
+    version = base.vllm_version
+    return overlay.apply(site, base.id, overlay.manifest_path(version), overlay.overlay_dir(version))
+
+
+def site_from_wheel(base: Recipe, wheel: Path, root: Path) -> Path:
     """A bare site-packages with vLLM's dist-info and every file the overlay replaces, plus the
     directories its new files go into: what apply needs (it never imports vLLM)."""
-    manifest, _ = load_manifest(overlay.MANIFEST_PATH)
+    manifest = manifest_of(base)
     wanted = {e.path for e in manifest.files if not e.new}
     with zipfile.ZipFile(wheel) as archive:
-        members = [m for m in archive.namelist() if m in wanted or m.startswith(f"vllm-{RECIPE.vllm_version}.dist-info/")]
+        members = [m for m in archive.namelist() if m in wanted or m.startswith(f"vllm-{base.vllm_version}.dist-info/")]
         archive.extractall(root, members)
     for entry in manifest.files:
         (root / entry.path).parent.mkdir(parents=True, exist_ok=True)
@@ -39,64 +54,92 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_check_passes_on_the_repo():
-    assert overlay.check(platforms=["linux/amd64"]) == [
-        f"{RECIPE.wheel('linux/amd64').filename}: {len(load_manifest(overlay.MANIFEST_PATH)[0].files)} entries agree"]
+def test_check_passes_on_the_repo(base):
+    version = base.vllm_version
+    assert overlay.check(base.id, overlay.manifest_path(version), overlay.overlay_dir(version),
+                         platforms=["linux/amd64"]) == [
+        f"{base.wheel('linux/amd64').filename}: {len(manifest_of(base).files)} entries agree"]
 
 
-def test_apply_then_verify_on_the_real_wheel(wheel, tmp_path):
-    site = site_from_wheel(wheel, tmp_path / "site")
-    receipt = overlay.apply(site)
-    manifest, _ = load_manifest(overlay.MANIFEST_PATH)
-    for entry in manifest.files:
-        assert (site / entry.path).read_bytes() == (overlay.OVERLAY_DIR / entry.path).read_bytes()
-    assert receipt["vllm_version"] == RECIPE.vllm_version
+def test_overlay_holds_one_directory_per_base():
+    assert sorted(p.name for p in overlay.OVERLAY_ROOT.iterdir()) == [f"vllm-{v}" for v in BASES]
+    assert overlay.stray_overlays(next(iter(BASES.values())), overlay.OVERLAY_ROOT) == []
+
+
+def test_a_stray_overlay_fails_check(monkeypatch, tmp_path):
+    """overlay/ with an overlay for no pinned release (a leftover, or a base dropped from the
+    recipe) is refused: the repo must say which overlay belongs to which vLLM."""
+    root = tmp_path / "overlay"
+    shutil.copytree(overlay.OVERLAY_ROOT, root)
+    (root / "vllm").mkdir()
+    monkeypatch.setattr(overlay, "OVERLAY_ROOT", root)
+    recipe = next(iter(BASES.values()))
+    with pytest.raises(overlay.OverlayError, match="overlay: vllm is not the overlay of a vLLM release"):
+        overlay.check(recipe.id, root / f"vllm-{recipe.vllm_version}" / "manifest.json",
+                      root / f"vllm-{recipe.vllm_version}", platforms=[])
+
+
+def test_apply_then_verify_on_the_real_wheel(base, wheel, tmp_path):
+    site = site_from_wheel(base, wheel, tmp_path / "site")
+    receipt = apply(base, site)
+    for entry in manifest_of(base).files:
+        assert (site / entry.path).read_bytes() == (overlay.overlay_dir(base.vllm_version) / entry.path).read_bytes()
+    assert receipt["vllm_version"] == base.vllm_version
     # the import half of verify needs torch; tests/test_overlay.py covers it on synthetic trees
-    overlay.verify_hashes(site)
+    overlay.verify_hashes(site, overlay.manifest_path(base.vllm_version))
 
 
-def test_one_changed_byte_upstream_fails_and_changes_nothing(wheel, tmp_path):
-    site = site_from_wheel(wheel, tmp_path / "site")
-    manifest, _ = load_manifest(overlay.MANIFEST_PATH)
-    victim = site / next(e.path for e in manifest.files if not e.new)
+def test_a_base_overlay_refuses_the_other_vllm(tmp_path):
+    """Each overlay applies only to the vLLM it was made for: the other base's install is drift."""
+    older, newer = BASES["0.24.0"], BASES["0.33.0"]
+    site = site_from_wheel(older, overlay.reference_wheel(older), tmp_path / "site")
+    with pytest.raises(overlay.OverlayError) as caught:
+        apply(newer, site)
+    assert caught.value.code == overlay.DRIFT and "the installed vLLM is 0.24.0" in str(caught.value)
+
+
+def test_one_changed_byte_upstream_fails_and_changes_nothing(base, wheel, tmp_path):
+    site = site_from_wheel(base, wheel, tmp_path / "site")
+    victim = site / next(e.path for e in manifest_of(base).files if not e.new)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
     before = snapshot(site)
     with pytest.raises(overlay.OverlayError) as caught:
-        overlay.apply(site)
+        apply(base, site)
     assert caught.value.code == overlay.DRIFT
     message = str(caught.value)
-    assert message.startswith(f"{victim.relative_to(site).as_posix()}: the overlay was made for vLLM {RECIPE.vllm_version}")
+    assert message.startswith(f"{victim.relative_to(site).as_posix()}: the overlay was made for vLLM {base.vllm_version}")
     assert "Nothing was changed." in message
     assert snapshot(site) == before
 
 
-def test_record_refresh_reproduces_the_committed_manifest(tmp_path):
+def test_record_refresh_reproduces_the_committed_manifest(base, tmp_path):
     """The committed manifest is exactly what the tool computes from the overlay files and the
     pinned wheel: nobody edited hashes by hand, and no overlay file changed since `record`."""
+    version = base.vllm_version
     manifest_path = tmp_path / "manifest.json"
-    manifest_path.write_bytes(overlay.MANIFEST_PATH.read_bytes())
-    refreshed = overlay.record([], refresh=True, manifest_path=manifest_path)
-    assert manifest_bytes(refreshed) == overlay.MANIFEST_PATH.read_bytes()
+    manifest_path.write_bytes(overlay.manifest_path(version).read_bytes())
+    refreshed = overlay.record([], None, True, False, base.id, version, manifest_path, overlay.overlay_dir(version))
+    assert manifest_bytes(refreshed) == overlay.manifest_path(version).read_bytes()
 
 
-def test_diff_shows_each_overlay_file(wheel):
-    text = overlay.diff()
-    manifest, _ = load_manifest(overlay.MANIFEST_PATH)
-    for entry in manifest.files:
+def test_diff_shows_each_overlay_file(base, wheel):
+    version = base.vllm_version
+    text = overlay.diff(base.id, overlay.manifest_path(version), overlay.overlay_dir(version))
+    for entry in manifest_of(base).files:
         assert f"+++ b/{entry.path} (overlay)" in text
-        assert (f"--- a/{entry.path} (vLLM {RECIPE.vllm_version} wheel)" in text) != entry.new
+        assert (f"--- a/{entry.path} (vLLM {version} wheel)" in text) != entry.new
 
 
-def test_revert_on_the_real_wheel_restores_every_upstream_byte(wheel, tmp_path):
-    site = site_from_wheel(wheel, tmp_path / "site")
+def test_revert_on_the_real_wheel_restores_every_upstream_byte(base, wheel, tmp_path):
+    site = site_from_wheel(base, wheel, tmp_path / "site")
+    manifest_path = overlay.manifest_path(base.vllm_version)
     before = snapshot(site)
-    overlay.apply(site)
-    overlay.revert(site)
+    apply(base, site)
+    overlay.revert(site, manifest_path)
     assert snapshot(site) == before
-    manifest, _ = load_manifest(overlay.MANIFEST_PATH)
-    for entry in (e for e in manifest.files if not e.new):
+    for entry in (e for e in manifest_of(base).files if not e.new):
         assert (site / entry.path).read_bytes() == wheels.read_member(wheel, entry.path)
-    overlay.apply(site)
-    overlay.verify_hashes(site)
+    apply(base, site)
+    overlay.verify_hashes(site, manifest_path)

@@ -302,7 +302,7 @@ def test_a_hunk_no_change_places_is_reported_not_guessed(pair):
     unplaced = [h for h in mod["hunks"] if h["hunk"] in mod["unattributed_hunks"]]
     assert len(unplaced) == 1 and unplaced[0]["ours"] == {"start": 2, "count": 1}  # the comment line
     assert unplaced[0]["changes"] == []
-    assert "place (merge them by hand, then name them in overlay/changes.toml): 1 (clean; ours lines 2-2)" in \
+    assert "place (merge them by hand, then name them in changes.toml): 1 (clean; ours lines 2-2)" in \
         rebase.render_markdown(report)
 
 
@@ -473,8 +473,8 @@ def test_the_target_wheel_is_the_one_manylinux_x86_64_wheel_the_index_lists(monk
 def test_output_never_goes_into_the_overlay(tmp_path):
     overlay_dir = tmp_path / "overlay"
     (overlay_dir / "vllm").mkdir(parents=True)
-    for bad in (overlay_dir, overlay_dir / "vllm" / "out", tmp_path):
-        with pytest.raises(rebase.RebaseError, match="rebase never writes the overlay"):
+    for bad in (overlay_dir, overlay_dir / "vllm" / "out", tmp_path, overlay.OVERLAY_ROOT / "vllm-9.9.9"):
+        with pytest.raises(rebase.RebaseError, match="rebase never writes an overlay"):
             rebase._outside(bad, overlay_dir, "--out")
     assert rebase._outside(tmp_path / "build", overlay_dir, "--out") == (tmp_path / "build").resolve()
 
@@ -482,29 +482,40 @@ def test_output_never_goes_into_the_overlay(tmp_path):
 def test_the_command_line_refuses_bad_input_before_fetching_anything(tmp_path, capsys):
     missing_sha = rebase.main(["--to", "0.33.0", "--wheel", str(tmp_path / "vllm.whl"), "--out", str(tmp_path / "o")])
     assert missing_sha == overlay.BAD_INPUT and "--wheel needs --wheel-sha256" in capsys.readouterr().err
-    into_overlay = rebase.main(["--to", "0.33.0", "--out", str(overlay.OVERLAY_DIR / "vllm" / "merged")])
-    assert into_overlay == overlay.BAD_INPUT and "rebase never writes the overlay" in capsys.readouterr().err
-    assert not (overlay.OVERLAY_DIR / "vllm" / "merged").exists()
+    # another base's overlay is as protected as the one re-based
+    for base in ("0.24.0", "0.33.0"):
+        merged = overlay.overlay_dir(base) / "vllm" / "merged"
+        into_overlay = rebase.main(["--to", "0.33.0", "--out", str(merged)])
+        assert into_overlay == overlay.BAD_INPUT and "rebase never writes an overlay" in capsys.readouterr().err
+        assert not merged.exists()
+    unknown = rebase.main(["--vllm", "0.25.0", "--to", "0.33.0", "--out", str(tmp_path / "o")])
+    assert unknown == overlay.BAD_INPUT and "no vLLM '0.25.0'" in capsys.readouterr().err
 
 
 def test_the_subcommand_parser_feeds_run_rebase():
-    """What scripts/overlay.py wires: its --manifest/--overlay-dir, then `rebase ...`."""
+    """What scripts/overlay.py wires: its --manifest/--overlay-dir and --vllm, then `rebase ...`."""
     import argparse
 
     main = argparse.ArgumentParser()
-    main.add_argument("--manifest", default=str(overlay.MANIFEST_PATH))
-    main.add_argument("--overlay-dir", default=str(overlay.OVERLAY_DIR))
-    rebase.add_rebase_parser(main.add_subparsers(dest="command", required=True))
-    args = main.parse_args(["rebase", "--to", "0.33.0", "--report-dir", str(overlay.OVERLAY_DIR / "r")])
+    main.add_argument("--manifest")
+    main.add_argument("--overlay-dir")
+    base = argparse.ArgumentParser(add_help=False)
+    base.add_argument("--vllm")
+    rebase.add_rebase_parser(main.add_subparsers(dest="command", required=True), parents=[base])
+    report_dir = overlay.overlay_dir("0.24.0") / "r"
+    args = main.parse_args(["rebase", "--vllm", "0.24.0", "--to", "0.33.0", "--report-dir", str(report_dir)])
     assert (args.command, args.to, args.target_python, args.wheel) == ("rebase", "0.33.0", None, None)
-    with pytest.raises(rebase.RebaseError, match=r"--report-dir .* \(rebase never writes the overlay\)"):
+    overlay.resolve_base(args, args.vllm)
+    assert args.manifest == str(overlay.manifest_path("0.24.0"))
+    with pytest.raises(rebase.RebaseError, match=r"--report-dir .* \(rebase never writes an overlay\)"):
         rebase.run_rebase(args)
 
 
 def test_the_regenerate_command_names_a_report_dir_in_the_repo():
-    assert rebase.regenerate_command("0.33.0", "glm5-dsa", REPO / "docs" / "rebase" / "x") == (
-        "python3 scripts/overlay.py rebase --to 0.33.0 --report-dir docs/rebase/x")
-    assert rebase.regenerate_command("0.33.0", "other", None) == "python3 scripts/overlay.py rebase --to 0.33.0 --recipe other"
+    assert rebase.regenerate_command("0.24.0", "0.33.0", "glm5-dsa", REPO / "docs" / "rebase" / "x") == (
+        "python3 scripts/overlay.py rebase --vllm 0.24.0 --to 0.33.0 --report-dir docs/rebase/x")
+    assert rebase.regenerate_command("0.24.0", "0.33.0", "other", None) == (
+        "python3 scripts/overlay.py rebase --vllm 0.24.0 --to 0.33.0 --recipe other")
 
 
 # --- named changes in the manifest ---------------------------------------------------------------
@@ -576,14 +587,17 @@ def test_changes_toml_is_not_a_stray_overlay_file(tmp_path):
     assert overlay.unrecorded_files(manifest, tmp_path) == []
 
 
-def test_the_repos_changes_toml_is_what_the_manifest_records():
-    """The committed manifest carries exactly the changes overlay/changes.toml defines (record
+@pytest.mark.parametrize("version, changes", [
+    ("0.24.0", {"b12x-indexer", "block-table-width", "envs-switch", "numpy-chunk-split", "prefill-kernel-prewarm",
+                "sync-free-metadata"}),
+    ("0.33.0", {"b12x-indexer", "dcp-prefill-sync"}),
+])
+def test_the_repos_changes_toml_is_what_the_manifest_records(version, changes):
+    """Each committed manifest carries exactly the changes its changes.toml defines (record
     folded them in; nobody edited the manifest by hand)."""
-    manifest = parse_manifest(overlay.MANIFEST_PATH.read_bytes())
-    assert fold_changes(manifest, overlay.OVERLAY_DIR / "changes.toml") == manifest
-    assert {c.id for c in manifest.changes} == {
-        "b12x-indexer", "block-table-width", "dcp-metadata", "envs-switch", "numpy-chunk-split",
-        "prefill-kernel-prewarm", "split-diagnostic", "sync-free-metadata"}
+    manifest = parse_manifest(overlay.manifest_path(version).read_bytes())
+    assert fold_changes(manifest, overlay.overlay_dir(version) / "changes.toml") == manifest
+    assert {c.id for c in manifest.changes} == changes
 
 
 # --- the real pair: vLLM 0.24.0 -> 0.33.0 ------------------------------------------------------------
@@ -600,9 +614,9 @@ def snapshot(root: Path) -> dict[str, bytes]:
 def real(tmp_path_factory):
     """`rebase --to 0.33.0` through its command line; the report it wrote and its exit code."""
     out, reports = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("reports")
-    before = snapshot(overlay.OVERLAY_DIR)
-    code = rebase.main(["--to", "0.33.0", "--out", str(out), "--report-dir", str(reports)])
-    assert snapshot(overlay.OVERLAY_DIR) == before, "rebase wrote into overlay/"
+    before = snapshot(overlay.OVERLAY_ROOT)
+    code = rebase.main(["--vllm", "0.24.0", "--to", "0.33.0", "--out", str(out), "--report-dir", str(reports)])
+    assert snapshot(overlay.OVERLAY_ROOT) == before, "rebase wrote into overlay/"
     return {"code": code, "out": out, "reports": reports, "report": json.loads((out / "report.json").read_text())}
 
 
@@ -621,10 +635,9 @@ def test_the_real_rebase_conflicts_and_records_nothing(real):
 def test_what_each_change_became_on_0_33_0(real):
     changes = real["report"]["changes"]
     static = {cid: c["upstream"]["static"] for cid, c in changes.items()}
-    assert static == {"b12x-indexer": "no", "block-table-width": "yes", "dcp-metadata": "yes", "envs-switch": "no",
-                      "numpy-chunk-split": "no", "prefill-kernel-prewarm": "yes", "split-diagnostic": "no",
-                      "sync-free-metadata": "partly"}
-    for cid in ("block-table-width", "dcp-metadata", "prefill-kernel-prewarm"):
+    assert static == {"b12x-indexer": "no", "block-table-width": "yes", "envs-switch": "no",
+                      "numpy-chunk-split": "no", "prefill-kernel-prewarm": "yes", "sync-free-metadata": "partly"}
+    for cid in ("block-table-width", "prefill-kernel-prewarm"):
         assert "already-upstream" in changes[cid]["verdicts"]
     assert all(c["upstream"]["behavioural"]["status"] in ("not-collected", "no-tests") for c in changes.values())
     sync_free = {s["means"]: s["holds"] for s in changes["sync-free-metadata"]["upstream"]["signatures"]}
@@ -638,9 +651,9 @@ def test_the_renames_upstream_made_are_named(real):
     assert anchors["_prepare_uniform_decode_kernel"]["close_matches"][0] == "PrepareUniformDecodeKernel"
     assert anchors["split_indexer_prefill_chunks"]["close_matches"] == [
         "DeepseekV32IndexerMetadataBuilder._split_indexer_prefill_chunks"]
-    assert anchors["storage_block_size"]["renamed_to"] == "num_states"
-    vanished = {v["name"] for c in real["report"]["changes"].values() for v in c["vanished"]}
-    assert {"_seq_lens_cpu", "storage_block_size"} <= vanished
+    vanished = {v["name"]: v for c in real["report"]["changes"].values() for v in c["vanished"]}
+    assert {"_seq_lens_cpu", "storage_block_size"} <= set(vanished)
+    assert vanished["storage_block_size"]["renamed_to"] == "num_states"
 
 
 @pytest.mark.wheel
@@ -662,8 +675,9 @@ def test_the_committed_report_is_what_the_tool_writes_now(tmp_path):
     """docs/rebase/vllm-0.24.0-to-0.33.0 is current: regenerate it with the command it names
     after any overlay or changes.toml edit."""
     committed = json.loads((REPORT_DIR / "report.json").read_text())
-    assert committed["command"] == f"python3 scripts/overlay.py rebase --to 0.33.0 --report-dir {REPORT_DIR.relative_to(REPO)}"
-    code = rebase.main(["--to", "0.33.0", "--out", str(tmp_path / "out")])
+    assert committed["command"] == (f"python3 scripts/overlay.py rebase --vllm 0.24.0 --to 0.33.0 "
+                                    f"--report-dir {REPORT_DIR.relative_to(REPO)}")
+    code = rebase.main(["--vllm", "0.24.0", "--to", "0.33.0", "--out", str(tmp_path / "out")])
     fresh = json.loads((tmp_path / "out" / "report.json").read_text())
     fresh["command"] = committed["command"]  # this run was not told to write into docs/
     assert code == committed["exit_code"]

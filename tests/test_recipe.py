@@ -12,16 +12,19 @@ from hypothesis import given, strategies as st
 
 from dsa_image import lock
 from dsa_image.recipe import (
-    ARCH_OF_PLATFORM, PLATFORM_OF_ARCH, RecipeError, format_value, load_recipe, set_base_digest, set_wheel_sha256,
+    ARCH_OF_PLATFORM, PLATFORM_OF_ARCH, RecipeError, format_value, load_every_base, load_recipe, set_base_digest,
+    set_wheel_sha256,
 )
 from dsa_image.registry import split_reference
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()
+BASES = load_every_base()
 
 
 def test_accessors():
-    assert RECIPE.vllm_version == "0.24.0"
+    assert RECIPE.vllm_version == RECIPE.default_vllm == "0.24.0"
+    assert RECIPE.vllm_versions == ("0.24.0", "0.33.0")
     assert set(RECIPE.targets) == {"sm120", "sm100", "sm90"}
     sm120 = RECIPE.target("sm120")
     assert sm120.cuda_arch == ("12.0", "12.1") and sm120.arches == ("amd64", "arm64")
@@ -34,9 +37,23 @@ def test_accessors():
     assert PLATFORM_OF_ARCH["arm64"] == "linux/arm64" and ARCH_OF_PLATFORM["linux/amd64"] == "amd64"
 
 
+def test_each_base_has_its_own_pins_and_shares_the_rest():
+    newer = load_recipe(vllm="0.33.0")
+    assert [b.vllm_version for b in BASES] == ["0.24.0", "0.33.0"]
+    assert newer.vllm_version == "0.33.0" and newer.default_vllm == "0.24.0"
+    assert newer.wheel("amd64").filename == "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    # vLLM 0.33.0 pins b12x 1.5.1 for its `b12x` extra, whose torch floor its torch 2.14.0 meets.
+    assert [e.requirement for e in newer.target("sm120").extras] == ["b12x==1.5.1"]
+    assert newer.target("sm120").overrides == ()
+    assert newer.get("vllm.version") == "0.33.0" and newer.get("vllm.versions") == ["0.24.0", "0.33.0"]
+    for shared in ("base", "serving", "cluster", "targets"):
+        assert newer.raw[shared] == RECIPE.raw[shared]
+
+
 def test_wheel_pins_are_locked():
-    for wheel in RECIPE.wheels.values():
-        assert len(wheel.sha256) == 64, f"{wheel.filename}: run scripts/recipe.py lock"
+    for recipe in BASES:
+        for wheel in recipe.wheels.values():
+            assert len(wheel.sha256) == 64, f"{wheel.filename}: run scripts/recipe.py lock --vllm {recipe.vllm_version}"
 
 
 def test_base_ref_uses_digest_only_when_locked():
@@ -50,6 +67,8 @@ def test_unknown_ids_name_the_valid_ones():
         load_recipe("glm6")
     with pytest.raises(RecipeError, match="no key 'vllm.nope'"):
         RECIPE.get("vllm.nope")
+    with pytest.raises(RecipeError, match=r"no vLLM '0.25.0'; this recipe pins: 0.24.0, 0.33.0 \(--vllm takes one"):
+        load_recipe(vllm="0.25.0")
 
 
 def test_get_and_format():
@@ -66,6 +85,9 @@ def test_cli_get():
     bad = subprocess.run([sys.executable, str(REPO / "scripts/recipe.py"), "--recipe", "x", "get", "vllm.version"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "valid recipes: glm5-dsa" in bad.stderr
+    newer = subprocess.run([sys.executable, str(REPO / "scripts/recipe.py"), "get", "--vllm", "0.33.0", "b12x.version"],
+                           capture_output=True, text=True, cwd="/")
+    assert (newer.returncode, newer.stdout) == (0, "1.5.1\n")
 
 
 def copy_recipe(tmp_path: Path, edit=lambda text: text) -> Path:
@@ -81,8 +103,14 @@ def copy_recipe(tmp_path: Path, edit=lambda text: text) -> Path:
     (lambda t: t.replace('extras = []', 'extras = ["nope"]', 1), "extra 'nope' needs a [nope] section"),
     (lambda t: t.replace('digest = ""', 'digest = "sha256:abc"'), "base.digest must be empty or sha256"),
     (lambda t: t.replace('"nvidia-curand==10.4.0.35"', '"nvidia-curand>=10"'), "is not name==version"),
-    (lambda t: t.replace('schema = 1', 'schema = 2'), "schema must be 1"),
+    (lambda t: t.replace('schema = 2', 'schema = 1'), "schema must be 2"),
     (lambda t: t + "[[[", "not valid TOML"),
+    (lambda t: t.replace('default = "0.24.0"', 'default = "0.25.0"'), "vllm.default '0.25.0' is not one of the pinned"),
+    (lambda t: t.replace('[vllm."0.33.0".b12x]', '[vllm."0.33.0".flashinfer]'),
+     '[vllm."0.33.0"] has flashinfer: a base pins only wheels, cuda and the extras its targets name (b12x)'),
+    (lambda t: t + '\n[b12x]\nversion = "1.5.1"\n', 'b12x is both shared and in [vllm."0.24.0"]'),
+    (lambda t: t.replace('[vllm."0.33.0".wheels."linux/arm64"]', '[vllm."latest".wheels."linux/arm64"]'),
+     "expected a [vllm.\"X.Y.Z\"] table named after a vLLM release"),
 ])
 def test_validation_errors(tmp_path, edit, message):
     with pytest.raises(RecipeError) as caught:
@@ -90,21 +118,24 @@ def test_validation_errors(tmp_path, edit, message):
     assert message in str(caught.value)
 
 
-@given(st.sampled_from(["linux/amd64", "linux/arm64"]), st.text("0123456789abcdef", min_size=64, max_size=64))
-def test_set_wheel_sha256_edits_only_that_line(platform, sha):
+@given(st.sampled_from(["0.24.0", "0.33.0"]), st.sampled_from(["linux/amd64", "linux/arm64"]),
+       st.text("0123456789abcdef", min_size=64, max_size=64))
+def test_set_wheel_sha256_edits_only_that_line(version, platform, sha):
     text = RECIPE.path.read_text()
-    edited = set_wheel_sha256(text, platform, sha)
+    edited = set_wheel_sha256(text, version, platform, sha)
     parsed = tomllib.loads(edited)
-    assert parsed["vllm"]["wheels"][platform]["sha256"] == sha
+    assert parsed["vllm"][version]["wheels"][platform]["sha256"] == sha
     changed = [(a, b) for a, b in zip(text.splitlines(), edited.splitlines()) if a != b]
     assert len(edited.splitlines()) == len(text.splitlines()) and len(changed) <= 1
-    assert set_wheel_sha256(edited, platform, sha) == edited  # idempotent, deterministic
+    assert set_wheel_sha256(edited, version, platform, sha) == edited  # idempotent, deterministic
 
 
 def test_set_pins_refuse_invented_values():
     text = RECIPE.path.read_text()
     with pytest.raises(RecipeError):
-        set_wheel_sha256(text, "linux/amd64", "not-a-hash")
+        set_wheel_sha256(text, "0.24.0", "linux/amd64", "not-a-hash")
+    with pytest.raises(RecipeError, match='no \\[vllm."0.25.0".wheels."linux/amd64"\\] section'):
+        set_wheel_sha256(text, "0.25.0", "linux/amd64", "a" * 64)
     with pytest.raises(RecipeError):
         set_base_digest(text, "latest")
     digest = "sha256:" + "a" * 64
@@ -120,11 +151,16 @@ def test_split_reference():
 
 def test_lock_jobs_layout():
     outputs = [str(job.output) for job in lock.lock_jobs(RECIPE)]
-    assert outputs == ["recipes/locks/vllm-amd64.txt", "recipes/locks/vllm-arm64.txt",
-                       "recipes/locks/sm120-amd64.txt", "recipes/locks/sm120-arm64.txt", "recipes/locks/dev.txt"]
-    sm120 = next(j for j in lock.lock_jobs(RECIPE) if str(j.output) == "recipes/locks/sm120-arm64.txt")
+    assert outputs == ["recipes/locks/vllm-0.24.0/vllm-amd64.txt", "recipes/locks/vllm-0.24.0/vllm-arm64.txt",
+                       "recipes/locks/vllm-0.24.0/sm120-amd64.txt", "recipes/locks/vllm-0.24.0/sm120-arm64.txt",
+                       "recipes/locks/dev.txt"]
+    sm120 = next(j for j in lock.lock_jobs(RECIPE) if str(j.output) == "recipes/locks/vllm-0.24.0/sm120-arm64.txt")
     argv = lock.uv_command(sm120, "3.11", "uv")
     assert argv[argv.index("--python-platform") + 1] == "aarch64-manylinux_2_28"
-    assert argv[argv.index("--constraint") + 1] == "recipes/locks/vllm-arm64.txt"
-    assert argv[argv.index("--overrides") + 1] == "recipes/requirements/sm120.overrides.in"
+    assert argv[argv.index("--constraint") + 1] == "recipes/locks/vllm-0.24.0/vllm-arm64.txt"
+    assert argv[argv.index("--overrides") + 1] == "recipes/requirements/vllm-0.24.0/sm120.overrides.in"
+    assert argv[argv.index("--custom-compile-command") + 1] == "python3 scripts/recipe.py lock --vllm 0.24.0"
     assert argv[argv.index("--index-url") + 1] == "https://pypi.org/simple" and "--no-config" in argv
+    newer = lock.lock_jobs(load_recipe(vllm="0.33.0"))
+    assert [str(j.output) for j in newer][-1] == "recipes/locks/dev.txt"  # every base resolves the one dev lock
+    assert all(j.overrides is None for j in newer)  # b12x 1.5.1 needs no torch override

@@ -6,8 +6,8 @@ exists in this vLLM, and the cache layouts the memory plan assumes are vLLM's.""
 from __future__ import annotations
 
 import inspect
+import os
 import typing
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +17,7 @@ from dsa_image import memory_plan, serving_recipes as sr  # noqa: E402
 from dsa_image.recipe import load_recipe  # noqa: E402
 from dsa_image.validation import recipes as scaled  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-BUILD = load_recipe()
+BUILD = load_recipe(vllm=os.environ.get("DSA_IMAGE_VLLM"))  # the image's base
 NAMES = sr.serve_recipe_names()
 HOSTS = {n: [f"10.0.0.{i}" for i in range(1, n + 1)] for n in (2, 4, 8)}
 
@@ -126,16 +125,23 @@ def test_named_parsers_methods_and_backends_exist():
 
 
 def test_named_environment_variables_exist():
+    import importlib.metadata
+
     import vllm.envs as envs
 
-    overlay_envs = (REPO / "overlay" / "vllm" / "envs.py").read_text()
+    from dsa_image import overlay
+
+    # The overlay's own variables exist in the overlaid vLLM (the image's): in its vllm.envs,
+    # or read by one of the overlay files of the installed base.
+    installed = overlay.overlay_dir(importlib.metadata.version("vllm"))
+    overlay_sources = [path.read_text() for path in installed.rglob("*.py")]
     for name in NAMES:
         recipe = sr.load_serve_recipe(name, build=BUILD)
         for target in recipe.targets:
             for var in sr.environment(recipe, target, BUILD):
                 if var.startswith("VLLM_"):
-                    # the overlay's own variables exist in the overlaid vLLM (the image's)
-                    assert var in envs.environment_variables or f'"{var}"' in overlay_envs, (name, var)
+                    assert var in envs.environment_variables or any(
+                        f'"{var}"' in text for text in overlay_sources), (name, var)
 
 
 def test_backend_table_is_vllms():

@@ -94,63 +94,6 @@ def random_block_table(rng, num_reqs: int, width: int, num_blocks: int) -> np.nd
 # --- references -------------------------------------------------------------
 
 
-class DcpLayout:
-    """Where DCP stores each global KV position, by dealing positions out.
-
-    Runs of ``interleave`` positions go to ranks round-robin; a rank stores its
-    positions in order, so a position's local index is how many positions its
-    rank received before it. Built by walking the positions once: a plain
-    definition, independent of vLLM's virtual-block arithmetic.
-    """
-
-    def __init__(self, world: int, interleave: int, max_len: int):
-        self.world = world
-        self.owner = [(p // interleave) % world for p in range(max_len)]
-        self.local_index = []
-        # prefix[r][n]: positions among the first n that rank r stores.
-        self.prefix = [[0] for _ in range(world)]
-        received = [0] * world
-        for p in range(max_len):
-            rank = self.owner[p]
-            self.local_index.append(received[rank])
-            received[rank] += 1
-            for r in range(world):
-                self.prefix[r].append(received[r])
-
-    def local_len(self, seq_len: int, rank: int) -> int:
-        return self.prefix[rank][seq_len]
-
-
-def reference_slot_mapping(spec: BatchSpec, block_table: np.ndarray,
-                           layout: DcpLayout, rank: int) -> list[int]:
-    """Slot of every new token in rank ``rank``'s cache, -1 where another rank
-    stores it."""
-    slots = []
-    for r, (q, s) in enumerate(zip(spec.query_lens, spec.seq_lens)):
-        for pos in range(s - q, s):
-            if layout.owner[pos] != rank:
-                slots.append(-1)
-                continue
-            j = layout.local_index[pos]
-            slots.append(int(block_table[r, j // BLOCK_SIZE]) * BLOCK_SIZE + j % BLOCK_SIZE)
-    return slots
-
-
-def reference_prefill_key_ranges(spec: BatchSpec, first_req: int, last_req: int,
-                                 layout: DcpLayout, rank: int):
-    """Per query token of requests [first_req, last_req): (ks, ke) into the
-    chunk's gathered, rank-local keys: keys of positions <= the token's own."""
-    ks, ke = [], []
-    offset = 0
-    for r in range(first_req, last_req):
-        q, s = spec.query_lens[r], spec.seq_lens[r]
-        for pos in range(s - q, s):
-            ks.append(offset)
-            ke.append(offset + layout.local_len(pos + 1, rank))
-        offset += layout.local_len(s, rank)
-    return ks, ke
-
-
 def chunk_covers_every_row_once(chunks, prefill_query_lens, request_offset) -> bool:
     """Each (request, query row) appears in exactly one (req_slice, query_slice)."""
     seen = {}

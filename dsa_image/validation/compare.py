@@ -17,9 +17,6 @@ import sys
 OVERLAY_ONLY_FIELDS = {
     "decode.max_seq_len",
     "decode.active_width",
-    "dcp_world_size",
-    "dcp_rank",
-    "cp_interleave_size",
     "use_b12x",
 }
 
@@ -76,7 +73,7 @@ def compare_runs(stock: dict, ours: dict) -> dict:
     # The overlay run must really have run the overlay (its metadata carries
     # fields stock has not), or "equal" would compare stock with itself.
     overlay_ran = all("use_b12x" in ov["tensors"] for ov in ours["scenarios"].values())
-    checks = {k: ours.get(k) for k in ("block_table_growth", "b12x", "dcp")}
+    checks = {k: ours.get(k) for k in ("block_table_growth", "b12x")}
     checks["overlay_code_ran"] = overlay_ran
     checks["block_table_growth_stock"] = stock.get("block_table_growth")
     ok = (
@@ -92,13 +89,11 @@ def compare_runs(stock: dict, ours: dict) -> dict:
 def overlay_checks_pass(checks: dict) -> bool:
     growth = checks.get("block_table_growth") or {}
     b12x = checks.get("b12x") or {}
-    dcp = checks.get("dcp") or {}
     return (
         all(growth.get(k, {}).get("ok") for k in ("uniform", "variable"))
         and bool(b12x.get("startup_refusal", {}).get("ok"))
         and all(s["syncs"] == 0 for s in b12x.get("scenarios", {}).values())
         and bool(b12x.get("scenarios"))
-        and bool(dcp) and all(v.get("ok") for v in dcp.values())
     )
 
 

@@ -6,7 +6,7 @@ tensor and scalar of the metadata, the number of synchronising CUDA calls during
 ``build()`` (``torch.cuda.set_sync_debug_mode``). Host time is measured by
 ``host_time.py``, with both builders in one process.
 With ``--overlay-checks`` it also runs what only the overlay has: the b12x
-metadata path, the block-table width case, and the DCP metadata references.
+metadata path and the block-table width case.
 
 Needs a CUDA GPU, torch and vLLM. Usage:
     python -m dsa_image.validation.indexer_probe --model DIR --out FILE.pt [--overlay-checks]
@@ -82,8 +82,7 @@ def make_builder(vllm_config, builder_cls=None):
         )
 
 
-def make_common_metadata(spec: B.BatchSpec, block_table: np.ndarray,
-                         dcp: "tuple[B.DcpLayout, int] | None" = None):
+def make_common_metadata(spec: B.BatchSpec, block_table: np.ndarray):
     """vLLM's CommonAttentionMetadata for ``spec``, as the runner would hand it."""
     torch = _torch()
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -96,12 +95,6 @@ def make_common_metadata(spec: B.BatchSpec, block_table: np.ndarray,
         for r, (q, s) in enumerate(zip(spec.query_lens, spec.seq_lens))
         for p in range(s - q, s)
     ]
-    extra = {}
-    if dcp is not None:
-        layout, rank = dcp
-        local = np.array([layout.local_len(s, rank) for s in seq], dtype=np.int32)
-        extra = dict(dcp_local_seq_lens=torch.from_numpy(local).to(dev),
-                     dcp_local_seq_lens_cpu=torch.from_numpy(local))
     seq_cpu = torch.from_numpy(seq)
     return CommonAttentionMetadata(
         query_start_loc=torch.from_numpy(qsl).to(dev),
@@ -115,7 +108,6 @@ def make_common_metadata(spec: B.BatchSpec, block_table: np.ndarray,
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
         seq_lens_cpu_upper_bound=seq_cpu,
         _seq_lens_cpu=seq_cpu,
-        **extra,
     )
 
 
@@ -270,77 +262,12 @@ def check_b12x_path(model_dir: str) -> dict:
     return report
 
 
-def check_dcp(model_dir: str) -> dict:
-    """Rank-local lengths, slot mapping and chunk bounds against the references,
-    and that the ranks together store every global position exactly once."""
-    torch = _torch()
-    rng = np.random.default_rng(SEED + 3)
-    builder = make_builder(make_vllm_config(model_dir, 0))
-    builder.compressed_slot_mapping_buffer = torch.zeros(
-        MAX_NUM_BATCHED_TOKENS, dtype=torch.int64, device="cuda:0")
-    spec = B.mixed_batch(rng, "dcp_mixed", 6, (300, 2100), 4000)
-    whole = B.BatchSpec("dcp_whole", (700, 1), (700, 1500))  # a full prefill + a decode
-    report = {}
-    for world in (2, 4):
-        for interleave in (1, 8, 64):
-            key = f"dcp{world}_i{interleave}"
-            layout = B.DcpLayout(world, interleave, 4096)
-            failures = []
-            owners = {}
-            for rank in range(world):
-                builder.dcp_world_size, builder.dcp_rank = world, rank
-                builder.cp_kv_cache_interleave_size = interleave
-                for s in (spec, whole):
-                    table = B.random_block_table(rng, s.num_reqs, 128, NUM_BLOCKS)
-                    md = builder.build(0, make_common_metadata(s, table, (layout, rank)))
-                    failures += _dcp_mismatches(s, table, md, layout, rank)
-                    if s is whole:
-                        slots = md.slot_mapping.cpu().tolist()
-                        for pos, slot in enumerate(slots[:700]):
-                            if slot >= 0:
-                                owners.setdefault(pos, []).append(rank)
-            covered_once = sorted(owners) == list(range(700)) and all(
-                len(r) == 1 for r in owners.values())
-            report[key] = {"ok": not failures and covered_once,
-                           "covered_once": covered_once, "failures": failures[:5]}
-    return report
-
-
-def _dcp_mismatches(spec, table, md, layout, rank) -> list[str]:
-    out = []
-    want_slots = B.reference_slot_mapping(spec, table, layout, rank)
-    if md.slot_mapping.cpu().tolist() != want_slots:
-        out.append(f"{spec.name} rank {rank}: slot mapping")
-    nd = md.num_decodes
-    if nd:
-        want = [layout.local_len(s, rank) for s in spec.seq_lens[:nd]]
-        got = md.decode.seq_lens.reshape(-1).cpu().tolist()
-        if got != want:
-            out.append(f"{spec.name} rank {rank}: decode lens {got[:4]} != {want[:4]}")
-        if md.decode.max_seq_len != max(want):
-            out.append(f"{spec.name} rank {rank}: decode max {md.decode.max_seq_len}")
-    if md.prefill is not None:
-        for chunk in md.prefill.chunks:
-            first = int(np.searchsorted(
-                np.cumsum(spec.query_lens), chunk.token_start, side="right"))
-            ks, ke = B.reference_prefill_key_ranges(
-                spec, first, first + chunk.num_reqs, layout, rank)
-            if (chunk.cu_seqlen_ks.cpu().tolist() != ks
-                    or chunk.cu_seqlen_ke.cpu().tolist() != ke):
-                out.append(f"{spec.name} rank {rank}: prefill key ranges")
-            want_total = sum(layout.local_len(s, rank)
-                             for s in spec.seq_lens[first:first + chunk.num_reqs])
-            if chunk.total_seq_lens != want_total:
-                out.append(f"{spec.name} rank {rank}: total {chunk.total_seq_lens}")
-    return out
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="tiny GLM-5 model directory")
     parser.add_argument("--out", required=True, help="results file (.pt)")
     parser.add_argument("--overlay-checks", action="store_true",
-                        help="also run the overlay-only checks (b12x, width, DCP)")
+                        help="also run the overlay-only checks (b12x, width)")
     args = parser.parse_args(argv)
     torch = _torch()
     import vllm
@@ -360,7 +287,6 @@ def main(argv=None) -> int:
     results["block_table_growth"] = guarded(check_block_table_growth, args.model)
     if args.overlay_checks:
         results["b12x"] = guarded(check_b12x_path, args.model)
-        results["dcp"] = guarded(check_dcp, args.model)
     torch.save(results, args.out)
     summary = {k: v for k, v in results.items() if k not in ("scenarios",)}
     print(json.dumps(summary, indent=1, default=str), flush=True)

@@ -4,11 +4,12 @@ The device machine has no network, and each call carries at most 64 MiB of the
 repository: the wheels travel as one tarball in parts of 60 MB under ``.stage/``
 (git-ignored), one part per call, and scripts/h200_validation.sh reassembles them.
 
-What goes in: the vLLM wheel the recipe pins (sha256 checked), the serving
-dependencies the H200's Python lacks (docs/validation/h200-serving-wheels.txt),
-b12x with the CuTe DSL at the versions the sm120 lock pins (for the b12x
-metadata check), and the image's pip CUDA toolkit (the recipe's [cuda] pins, for
-the toolchain check).
+What goes in, for the base --vllm names (default: the recipe's default): the vLLM
+wheel it pins (sha256 checked), the serving dependencies the H200's Python lacks
+(docs/validation/h200-serving-wheels.txt: the list for vLLM 0.24.0, established on
+the H200's torch 2.11.0), b12x with the CuTe DSL at the versions the base's sm120
+lock pins (for the b12x metadata check), and the base's pip CUDA toolkit (its
+[vllm."X.Y.Z".cuda] pins, for the toolchain check).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tarfile
 from pathlib import Path
 
 from dsa_image import lock, wheels
-from dsa_image.recipe import load_recipe
+from dsa_image.recipe import Recipe, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 SERVING_LIST = REPO / "docs" / "validation" / "h200-serving-wheels.txt"
@@ -36,21 +37,20 @@ PLATFORM_ARGS = ["--python-version", "3.12", "--implementation", "cp"] + [
     for arg in ("--platform", tag)]
 
 
-def requirements() -> list[str]:
+def requirements(recipe: Recipe) -> list[str]:
     serving = [line.strip() for line in SERVING_LIST.read_text().splitlines()
                if line.strip() and not line.startswith("#")]
-    recipe = load_recipe()
-    pins = lock.parse_lock(lock.target_lock(recipe.targets["sm120"], "amd64").read_text())
+    pins = lock.parse_lock(lock.target_lock(recipe, recipe.targets["sm120"], "amd64").read_text())
     return (serving + [f"{name}=={pins[name].version}" for name in FROM_SM120_LOCK]
             + list(recipe.cuda_toolkit))
 
 
-def download(into: Path) -> list[Path]:
+def download(into: Path, recipe: Recipe) -> list[Path]:
     into.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                     "--only-binary=:all:", "--index-url", "https://pypi.org/simple",
-                    *PLATFORM_ARGS, "-d", str(into), *requirements()], check=True)
-    vllm = load_recipe().wheel("linux/amd64")
+                    *PLATFORM_ARGS, "-d", str(into), *requirements(recipe)], check=True)
+    vllm = recipe.wheel("linux/amd64")
     return sorted(into.glob("*.whl")) + [wheels.ensure_wheel(vllm.filename, vllm.sha256)]
 
 
@@ -73,8 +73,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=wheels.cache_dir() / "h200-wheels")
     parser.add_argument("--out", type=Path, default=REPO / ".stage")
+    parser.add_argument("--vllm", metavar="VERSION", help="the recipe's base to stage (default: its default)")
     args = parser.parse_args(argv)
-    files = download(args.cache)
+    files = download(args.cache, load_recipe(vllm=args.vllm))
     bundle = args.cache.parent / "bundle.tar"
     with tarfile.open(bundle, "w") as tar:
         for path in files:

@@ -24,6 +24,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.mla import b12x_indexer
+from vllm.v1.attention.backends.mla.compressor_utils import get_compressed_slot_mapping
 from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.worker.cp_utils import get_total_cp_world_size
 
@@ -170,25 +171,6 @@ def _as_host_array(values: np.ndarray | torch.Tensor) -> np.ndarray:
     return values
 
 
-def dcp_local_lens(
-    seq_lens, dcp_world_size: int, dcp_rank: int, interleave: int
-):
-    """KV positions of each sequence stored on ``dcp_rank`` under DCP.
-
-    Positions are dealt round-robin to ranks in runs of ``interleave``; this is
-    vLLM's ``get_dcp_local_seq_lens`` for one rank, written with scalar rank
-    arithmetic so it works on CUDA tensors without a host-to-device copy (no
-    sync), on CPU tensors, numpy arrays and Python ints alike.
-    """
-    base = seq_lens // interleave // dcp_world_size * interleave
-    remainder = seq_lens - base * dcp_world_size - dcp_rank * interleave
-    if isinstance(remainder, torch.Tensor):
-        remainder = remainder.clamp(0, interleave)
-    else:
-        remainder = np.clip(remainder, 0, interleave)
-    return base + remainder
-
-
 class DeepseekV32IndexerBackend(AttentionBackend):
     @staticmethod
     def get_name() -> str:
@@ -296,9 +278,6 @@ class DeepseekV32IndexerMetadata:
 
     decode: DeepSeekV32IndexerDecodeMetadata | None = None
     prefill: DeepseekV32IndexerPrefillMetadata | None = None
-    dcp_world_size: int = 1
-    dcp_rank: int = 0
-    cp_interleave_size: int = 1
     # Score and select with b12x kernels (VLLM_USE_B12X_SPARSE_INDEXER); the
     # builder decides, sparse_attn_indexer dispatches on it.
     use_b12x: bool = False
@@ -337,22 +316,6 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         scheduler_config = self.vllm_config.scheduler_config
-        parallel_config = self.vllm_config.parallel_config
-        self.storage_block_size = int(self.kv_cache_spec.storage_block_size)
-        self.dcp_world_size = parallel_config.decode_context_parallel_size
-        self.cp_kv_cache_interleave_size = parallel_config.cp_kv_cache_interleave_size
-        self.dcp_rank = 0
-        if self.dcp_world_size > 1:
-            if parallel_config.prefill_context_parallel_size > 1:
-                raise ValueError(
-                    "The DSA indexer supports decode context parallel (DCP) "
-                    "but not prefill context parallel (PCP): got "
-                    f"prefill_context_parallel_size="
-                    f"{parallel_config.prefill_context_parallel_size}."
-                )
-            from vllm.distributed.parallel_state import get_dcp_group
-
-            self.dcp_rank = get_dcp_group().rank_in_group
         # NOTE(Chen):an estimated max size of flattened_kv. Need to double check.
         self.max_prefill_buffer_size = get_max_prefill_buffer_size(self.vllm_config)
         self.num_speculative_tokens = (
@@ -468,16 +431,16 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         if isinstance(self.kv_cache_spec, MLAAttentionSpec):
             self.compress_ratio = self.kv_cache_spec.compress_ratio
 
-        # Pre-allocate buffers for CUDA graph compatibility.
-        if self.compress_ratio > 1 or self.dcp_world_size > 1:
-            # Compressed and/or DCP rank-local slot mapping output buffer.
+        # Pre-allocate buffers for CUDA graph compatibility when
+        if self.compress_ratio > 1:
+            # compress_ratio > 1 (DeepseekV4)
+            # Compressed slot mapping output buffer
             self.compressed_slot_mapping_buffer = torch.zeros(
                 (scheduler_config.max_num_batched_tokens,),
                 dtype=torch.int64,
                 device=self.device,
             )
-        if self.compress_ratio > 1:
-            # Buffer for compressed seq_lens in decode path (DeepseekV4)
+            # Buffer for compressed seq_lens in decode path
             self.expanded_seq_lens_buffer = torch.zeros(
                 (scheduler_config.max_num_batched_tokens,),
                 dtype=torch.int32,
@@ -487,11 +450,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         # Compile the prefill-chunk metadata kernel now rather than on the first
         # long prompt, where the JIT monitor reports it as a latency spike.
         _prewarm_prefill_chunk_metadata_kernel(
-            device=self.device,
-            dcp_world_size=self.dcp_world_size,
-            dcp_rank=self.dcp_rank,
-            cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
-            compress_ratio=self.compress_ratio,
+            device=self.device, compress_ratio=self.compress_ratio
         )
 
     def _expanded_block_table_for(self, block_table: torch.Tensor) -> torch.Tensor:
@@ -499,13 +458,8 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         width = int(block_table.shape[1])
         buffer = self.expanded_block_table_buffer
         if width > buffer.shape[1]:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "DSA indexer: the runner's block table has "
-                    f"{width} columns, more than the {buffer.shape[1]} the "
-                    "expanded block table holds, during CUDA graph capture "
-                    "(a buffer cannot be reallocated there)."
-                )
+            # build() runs outside CUDA graph capture (the runner builds the
+            # metadata, then captures the forward), so a new buffer is safe.
             logger.warning_once(
                 "DSA indexer: growing the expanded block table from %d to %d "
                 "columns to fit the runner's block table.",
@@ -531,7 +485,6 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         use_native: bool,
         next_n: int,
         max_decode_len: int,
-        global_seq_lens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
         """Expand seq_lens/block_table/decode_lens for the decode kernels.
 
@@ -541,10 +494,6 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
 
         Native path (use_native or max_decode_len == 1):
           Plain decode or spec-decode with 2D per-token context lengths.
-
-        Under DCP, ``seq_lens`` are this rank's lengths and ``global_seq_lens``
-        the global ones: per-token lengths are expanded from the global lengths,
-        then made rank-local.
 
         ``uniform_decode_lens`` (every decode row has max_decode_len tokens) and
         ``expanded_decode_tokens`` (their query token count) come from the host.
@@ -572,16 +521,6 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                     max_decode_len,
                     BLOCK_SIZE=1024,
                 )
-                if global_seq_lens is not None:
-                    expanded_global = (
-                        global_seq_lens.unsqueeze(1)
-                        - max_decode_len
-                        + 1
-                        + self.offsets_buffer[:max_decode_len]
-                    ).reshape(-1)
-                    self.decode_seq_lens_buffer[:num_decode_tokens] = self._dcp_local(
-                        expanded_global
-                    )
                 self.decode_seq_lens_buffer[num_decode_tokens:] = 0
                 seq_lens = self.decode_seq_lens_buffer[:num_decode_tokens]
                 block_table = expanded_block_table[:num_decode_tokens]
@@ -604,22 +543,18 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 # Example: offsets = [7-0, 6-3, 8-4, 0-8] = [7, 3, 4, -8]
                 # expanded_offsets  = [7, 7, 7, 3, 4, 4, 4, 4]
                 # result            = [8, 9, 10, 7, 9, 10, 11, 12]
-                lens_to_expand = (
-                    global_seq_lens if global_seq_lens is not None else seq_lens
-                )
                 expanded_offsets = torch.repeat_interleave(
-                    lens_to_expand - decode_lens - query_start_loc,
+                    seq_lens - decode_lens - query_start_loc,
                     decode_lens,
                     output_size=actual_expanded,
                 )
 
                 # [8, 9, 10, 7, 9, 10, 11, 12, ...] where ... is unused buffer space
-                positions = self.one_based_arange_buffer[:actual_expanded]
-                expanded_out = self.decode_seq_lens_buffer[:actual_expanded]
-                if global_seq_lens is None:
-                    torch.add(expanded_offsets, positions, out=expanded_out)
-                else:
-                    expanded_out.copy_(self._dcp_local(expanded_offsets + positions))
+                torch.add(
+                    expanded_offsets,
+                    self.one_based_arange_buffer[:actual_expanded],
+                    out=self.decode_seq_lens_buffer[:actual_expanded],
+                )
                 self.decode_seq_lens_buffer[actual_expanded:] = 0
                 seq_lens = self.decode_seq_lens_buffer[:num_decode_tokens]
 
@@ -654,59 +589,19 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 seq_lens_buffer = self.decode_seq_lens_buffer[
                     : num_decodes * max_decode_len
                 ].view(num_decodes, max_decode_len)
-                lens_to_expand = (
-                    global_seq_lens if global_seq_lens is not None else seq_lens
-                )
-                expanded_seq_lens = (
-                    lens_to_expand.unsqueeze(1)
+                seq_lens_buffer[:] = (
+                    seq_lens.unsqueeze(1)
                     - max_decode_len
                     + 1
                     + self.offsets_buffer[:max_decode_len]
                 )
-                if global_seq_lens is not None:
-                    expanded_seq_lens = self._dcp_local(expanded_seq_lens)
-                seq_lens_buffer[:] = expanded_seq_lens
                 seq_lens = seq_lens_buffer
             return seq_lens, block_table, decode_lens, num_decodes, requires_padding
-
-    def _dcp_local(self, seq_lens):
-        return dcp_local_lens(
-            seq_lens,
-            self.dcp_world_size,
-            self.dcp_rank,
-            self.cp_kv_cache_interleave_size,
-        )
-
-    def _raise_split_mismatch(
-        self,
-        common_attn_metadata: CommonAttentionMetadata,
-        query_start_loc_np: np.ndarray,
-        counts: tuple[int, int, int, int],
-    ) -> None:
-        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = counts
-        # _seq_lens_cpu is the runner's host shadow; the seq_lens_cpu property
-        # would copy from the GPU, so it is not used for a diagnostic.
-        host_seq_lens = common_attn_metadata._seq_lens_cpu
-        seq_lens_head = (
-            host_seq_lens[:8].tolist() if host_seq_lens is not None else "not on host"
-        )
-        raise RuntimeError(
-            "DSA indexer: decode/prefill split does not cover the batch: "
-            f"{num_decodes} decodes + {num_prefills} prefills for "
-            f"{common_attn_metadata.num_reqs} requests, {num_decode_tokens} + "
-            f"{num_prefill_tokens} tokens for "
-            f"{common_attn_metadata.num_actual_tokens} "
-            f"(decode_threshold={self.reorder_batch_threshold}, "
-            f"require_uniform={not self.use_flattening}); first query lens "
-            f"{np.diff(query_start_loc_np[:9]).tolist()}, "
-            f"first seq lens {seq_lens_head}."
-        )
 
     def _decode_max_seq_len(
         self,
         common_attn_metadata: CommonAttentionMetadata,
         num_decodes: int,
-        use_dcp_local_kv: bool,
     ) -> int:
         """Longest decode context in indexer-cache tokens, without a GPU sync.
 
@@ -723,44 +618,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
             longest = int(common_attn_metadata.max_seq_len)
         else:
             longest = int(host_seq_lens[:num_decodes].numpy().max())
-        longest //= self.compress_ratio
-        if use_dcp_local_kv:
-            # Rank-local length is monotonic in the global one.
-            longest = int(self._dcp_local(longest))
-        return longest
-
-    def _indexer_slot_mapping(
-        self,
-        num_tokens: int,
-        query_start_loc: torch.Tensor,
-        seq_lens: torch.Tensor,
-        block_table: torch.Tensor,
-        dcp_world_size: int,
-        dcp_rank: int,
-    ) -> torch.Tensor:
-        """Slots the indexer K cache is written to: compressed and/or DCP-local.
-
-        -1 for tokens that are not stored (not a compression boundary, or held
-        by another DCP rank). Written into a persistent buffer (graph-stable).
-        """
-        out = self.compressed_slot_mapping_buffer
-        # Fill the whole buffer: padded rows must not scatter anywhere.
-        out.fill_(-1)
-        _indexer_slot_mapping_kernel[(block_table.shape[0],)](
-            out,
-            query_start_loc,
-            seq_lens,
-            block_table,
-            block_table.stride(0),
-            self.storage_block_size,
-            COMPRESS_RATIO=self.compress_ratio,
-            DCP_WORLD_SIZE=dcp_world_size,
-            DCP_RANK=dcp_rank,
-            CP_KV_CACHE_INTERLEAVE_SIZE=self.cp_kv_cache_interleave_size,
-            PAD_ID=-1,
-            TRITON_BLOCK_SIZE=1024,
-        )
-        return out[:num_tokens]
+        return longest // self.compress_ratio
 
     def build(
         self,
@@ -777,43 +635,34 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         seq_lens = common_attn_metadata.seq_lens
         slot_mapping = common_attn_metadata.slot_mapping
         block_table = common_attn_metadata.block_table_tensor
-        use_dcp_local_kv = (
-            self.dcp_world_size > 1
-            and common_attn_metadata.dcp_local_seq_lens is not None
-        )
-        dcp_world_size = self.dcp_world_size if use_dcp_local_kv else 1
-        dcp_rank = self.dcp_rank if use_dcp_local_kv else 0
 
-        split = split_decodes_and_prefills_host(
-            query_start_loc_np,
-            num_reqs,
-            num_tokens,
-            common_attn_metadata.max_query_len,
-            decode_threshold=self.reorder_batch_threshold,
-            require_uniform=not self.use_flattening,
+        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = (
+            split_decodes_and_prefills_host(
+                query_start_loc_np,
+                num_reqs,
+                num_tokens,
+                common_attn_metadata.max_query_len,
+                decode_threshold=self.reorder_batch_threshold,
+                require_uniform=not self.use_flattening,
+            )
         )
-        num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens = split
-        if (
-            num_decodes + num_prefills != num_reqs
-            or num_decode_tokens + num_prefill_tokens != num_tokens
-        ):
-            self._raise_split_mismatch(common_attn_metadata, query_start_loc_np, split)
 
-        indexer_slot_mapping = slot_mapping
+        assert num_decodes + num_prefills == num_reqs
+        assert num_decode_tokens + num_prefill_tokens == num_tokens
+
+        compressed_slot_mapping = slot_mapping
         compressed_seq_lens = seq_lens
-        if self.compress_ratio > 1 or use_dcp_local_kv:
-            indexer_slot_mapping = self._indexer_slot_mapping(
+        if self.compress_ratio > 1:
+            compressed_slot_mapping = get_compressed_slot_mapping(
                 num_tokens,
                 query_start_loc,
                 seq_lens,
                 block_table,
-                dcp_world_size,
-                dcp_rank,
+                self.kv_cache_spec.storage_block_size,
+                self.compress_ratio,
+                out=self.compressed_slot_mapping_buffer,
             )
-        if self.compress_ratio > 1:
             compressed_seq_lens = seq_lens // self.compress_ratio
-        if use_dcp_local_kv:
-            compressed_seq_lens = self._dcp_local(compressed_seq_lens)
 
         prefill_metadata = None
         if num_prefills > 0:
@@ -826,8 +675,6 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
             )
             if self.compress_ratio > 1:
                 compressed_seq_lens_np = compressed_seq_lens_np // self.compress_ratio
-            if use_dcp_local_kv:
-                compressed_seq_lens_np = self._dcp_local(compressed_seq_lens_np)
             prefill_starts = query_start_loc_np[num_decodes : num_reqs + 1]
             prefill_query_lens_np = prefill_starts[1:] - prefill_starts[:-1]
             max_logits_bytes = envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB * 1024 * 1024
@@ -861,9 +708,6 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                     self.compress_ratio,
                     query_slice=query_slice,
                     skip_kv_gather=query_slice.start > 0,
-                    dcp_world_size=dcp_world_size,
-                    dcp_rank=dcp_rank,
-                    cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
                 )
                 # Skip when total_seq_lens is 0 (i.e., no compressed token).
                 if metadata is not None:
@@ -877,22 +721,18 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 num_decodes,
                 num_decode_tokens,
                 query_start_loc_np[: num_decodes + 1],
-                use_dcp_local_kv,
             )
 
         return DeepseekV32IndexerMetadata(
             seq_lens=common_attn_metadata.seq_lens,
             max_seq_len=common_attn_metadata.max_seq_len,
-            slot_mapping=indexer_slot_mapping,
+            slot_mapping=compressed_slot_mapping,
             num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens,
             num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens,
             prefill=prefill_metadata,
             decode=decode_metadata,
-            dcp_world_size=dcp_world_size,
-            dcp_rank=dcp_rank,
-            cp_interleave_size=self.cp_kv_cache_interleave_size,
             use_b12x=self.use_b12x,
         )
 
@@ -902,7 +742,6 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         num_decodes: int,
         num_decode_tokens: int,
         decode_starts_np: np.ndarray,
-        use_dcp_local_kv: bool,
     ) -> DeepSeekV32IndexerDecodeMetadata:
         decode_lens_np = decode_starts_np[1:] - decode_starts_np[:-1]
         max_decode_len = int(decode_lens_np.max())
@@ -923,15 +762,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 common_attn_metadata.query_start_loc[: num_decodes + 1],
                 out=decode_lens,
             )
-        global_seq_lens = common_attn_metadata.seq_lens[:num_decodes]
-        # Under DCP (GLM: no compression) the runner hands rank-local lengths;
-        # per-token lengths are still expanded from the global ones.
-        rank_local = use_dcp_local_kv and self.compress_ratio == 1
-        seq_lens = (
-            common_attn_metadata.dcp_local_seq_lens[:num_decodes]
-            if rank_local
-            else global_seq_lens
-        )
+        seq_lens = common_attn_metadata.seq_lens[:num_decodes]
         block_table = common_attn_metadata.block_table_tensor[:num_decodes, ...]
 
         seq_lens, block_table, decode_lens, batch_size, requires_padding = (
@@ -947,7 +778,6 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
                 use_native=use_native,
                 next_n=next_n,
                 max_decode_len=max_decode_len,
-                global_seq_lens=global_seq_lens if rank_local else None,
             )
         )
 
@@ -959,14 +789,11 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
             seq_lens_is_local_view = (use_native and next_n > 1) or flatten
             if seq_lens_is_local_view:
                 seq_lens //= self.compress_ratio
-                if use_dcp_local_kv:
-                    seq_lens.copy_(self._dcp_local(seq_lens))
             else:
                 # Copy to avoid mutating shared state; keeps CG address stable.
-                compressed = seq_lens // self.compress_ratio
-                if use_dcp_local_kv:
-                    compressed = self._dcp_local(compressed)
-                self.expanded_seq_lens_buffer[:num_decodes] = compressed
+                self.expanded_seq_lens_buffer[:num_decodes] = (
+                    seq_lens // self.compress_ratio
+                )
                 self.expanded_seq_lens_buffer[num_decodes:num_decode_tokens] = 0
                 seq_lens = self.expanded_seq_lens_buffer[:num_decode_tokens]
 
@@ -976,9 +803,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
         if seq_lens.dim() == 1:
             seq_lens = seq_lens.unsqueeze(-1)
 
-        max_seq_len = self._decode_max_seq_len(
-            common_attn_metadata, num_decodes, use_dcp_local_kv
-        )
+        max_seq_len = self._decode_max_seq_len(common_attn_metadata, num_decodes)
         active_width = None
         if self.use_b12x:
             self.b12x_active_width_buffer.fill_(max_seq_len)
@@ -986,7 +811,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
             schedule_metadata = b12x_indexer.build_schedule_metadata(
                 seq_lens,
                 block_table,
-                self.storage_block_size,
+                self.kv_cache_spec.storage_block_size,
                 self.num_sms,
                 out=self.scheduler_metadata_buffer,
             )
@@ -995,7 +820,7 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
             if current_platform.is_cuda() and has_deep_gemm():
                 self.scheduler_metadata_buffer[:] = get_paged_mqa_logits_metadata(
                     seq_lens,
-                    self.storage_block_size,
+                    self.kv_cache_spec.storage_block_size,
                     self.num_sms,
                 )
             schedule_metadata = self.scheduler_metadata_buffer
@@ -1023,15 +848,8 @@ def build_prefill_chunk_metadata(
     compress_ratio: int,
     query_slice: slice | None = None,
     skip_kv_gather: bool = False,
-    dcp_world_size: int = 1,
-    dcp_rank: int = 0,
-    cp_kv_cache_interleave_size: int = 1,
 ) -> DeepseekV32IndexerPrefillChunkMetadata | None:
-    """Device metadata for one prefill chunk; host lengths come as numpy/CPU arrays.
-
-    Under DCP, ``compressed_seq_lens`` (device and host) are this rank's local
-    lengths; the kernel makes each query row's key range rank-local too.
-    """
+    """Device metadata for one prefill chunk; host lengths come as numpy/CPU arrays."""
     query_start_loc_np = _as_host_array(query_start_loc_cpu)
     compressed_seq_lens_np = _as_host_array(compressed_seq_lens_cpu)
     total_seq_lens = int(compressed_seq_lens_np[start_idx:end_idx].sum())
@@ -1073,9 +891,6 @@ def build_prefill_chunk_metadata(
         cu_seq_len_ke,
         qs_start,
         qs_stop,
-        DCP_WORLD_SIZE=dcp_world_size,
-        DCP_RANK=dcp_rank,
-        CP_KV_CACHE_INTERLEAVE_SIZE=cp_kv_cache_interleave_size,
         BLOCK_SIZE=1024,
         COMPRESS_RATIO=compress_ratio,
     )
@@ -1122,9 +937,6 @@ def _build_prefill_chunk_metadata_kernel(
     cu_compressed_seq_len_ke_ptr,
     query_slice_start,
     query_slice_stop,
-    DCP_WORLD_SIZE: tl.constexpr,
-    DCP_RANK: tl.constexpr,
-    CP_KV_CACHE_INTERLEAVE_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     COMPRESS_RATIO: tl.constexpr,
 ):
@@ -1156,20 +968,6 @@ def _build_prefill_chunk_metadata_kernel(
 
         # Compute cu_seq_len_ke
         seq_len_per_token = (start_pos + 1 + offset) // COMPRESS_RATIO
-        if DCP_WORLD_SIZE > 1:
-            # Keys of this token held by this rank (dcp_local_lens).
-            base = (
-                seq_len_per_token
-                // CP_KV_CACHE_INTERLEAVE_SIZE
-                // DCP_WORLD_SIZE
-                * CP_KV_CACHE_INTERLEAVE_SIZE
-            )
-            remainder = seq_len_per_token - base * DCP_WORLD_SIZE
-            remainder = tl.minimum(
-                tl.maximum(remainder - DCP_RANK * CP_KV_CACHE_INTERLEAVE_SIZE, 0),
-                CP_KV_CACHE_INTERLEAVE_SIZE,
-            )
-            seq_len_per_token = base + remainder
         tl.store(
             cu_compressed_seq_len_ke_ptr + out_pos,
             seq_start + seq_len_per_token,
@@ -1186,9 +984,6 @@ def _build_prefill_chunk_metadata_kernel(
 def _prewarm_prefill_chunk_metadata_kernel(
     *,
     device: torch.device,
-    dcp_world_size: int,
-    dcp_rank: int,
-    cp_kv_cache_interleave_size: int,
     compress_ratio: int,
 ) -> None:
     """Compile the prefill-chunk kernel for this builder's constexprs now."""
@@ -1211,70 +1006,7 @@ def _prewarm_prefill_chunk_metadata_kernel(
         cu_seq_len_ke,
         0,
         1,
-        DCP_WORLD_SIZE=dcp_world_size,
-        DCP_RANK=dcp_rank,
-        CP_KV_CACHE_INTERLEAVE_SIZE=cp_kv_cache_interleave_size,
         BLOCK_SIZE=1024,
         COMPRESS_RATIO=compress_ratio,
     )
 
-
-@triton.jit
-def _indexer_slot_mapping_kernel(
-    # [num_tokens]
-    slot_mapping_ptr,
-    # [num_reqs + 1]
-    query_start_loc_ptr,
-    # [num_reqs]
-    seq_lens_ptr,
-    # [num_reqs, max_num_blocks]
-    block_table_ptr,
-    block_table_stride,
-    block_size,
-    COMPRESS_RATIO: tl.constexpr,
-    DCP_WORLD_SIZE: tl.constexpr,
-    DCP_RANK: tl.constexpr,
-    CP_KV_CACHE_INTERLEAVE_SIZE: tl.constexpr,
-    PAD_ID: tl.constexpr,
-    TRITON_BLOCK_SIZE: tl.constexpr,
-):
-    # vLLM's compressed slot mapping (compressor_utils) extended with DCP's
-    # layout (block_table.py): a block-table entry covers a virtual block of
-    # block_size * DCP_WORLD_SIZE positions, dealt to ranks in runs of
-    # CP_KV_CACHE_INTERLEAVE_SIZE; each rank packs its own into its block.
-    batch_idx = tl.program_id(0)
-
-    query_start = tl.load(query_start_loc_ptr + batch_idx)
-    query_end = tl.load(query_start_loc_ptr + batch_idx + 1)
-    query_len = query_end - query_start
-
-    seq_len = tl.load(seq_lens_ptr + batch_idx)
-    start_pos = seq_len - query_len
-    virtual_block_size = block_size * DCP_WORLD_SIZE
-
-    for i in range(0, query_len, TRITON_BLOCK_SIZE):
-        offset = i + tl.arange(0, TRITON_BLOCK_SIZE)
-        mask = offset < query_len
-
-        pos = start_pos + offset
-        is_stored = (pos + 1) % COMPRESS_RATIO == 0
-        pos_after_compress = pos // COMPRESS_RATIO
-
-        block_ids = pos_after_compress // virtual_block_size
-        virtual_offsets = pos_after_compress - block_ids * virtual_block_size
-        if DCP_WORLD_SIZE > 1:
-            is_stored = is_stored & (
-                (virtual_offsets // CP_KV_CACHE_INTERLEAVE_SIZE) % DCP_WORLD_SIZE
-                == DCP_RANK
-            )
-        local_offsets = (
-            virtual_offsets // (DCP_WORLD_SIZE * CP_KV_CACHE_INTERLEAVE_SIZE)
-        ) * CP_KV_CACHE_INTERLEAVE_SIZE + virtual_offsets % CP_KV_CACHE_INTERLEAVE_SIZE
-        block_numbers = tl.load(
-            block_table_ptr + batch_idx * block_table_stride + block_ids,
-            mask=mask & is_stored,
-        )
-        slot_ids = block_numbers.to(tl.int64) * block_size + local_offsets
-
-        slot_ids = tl.where(is_stored, slot_ids, PAD_ID)
-        tl.store(slot_mapping_ptr + query_start + offset, slot_ids, mask=mask)
