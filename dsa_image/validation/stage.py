@@ -8,7 +8,8 @@ What goes in: the vLLM wheel the recipe pins (sha256 checked), the serving
 dependencies the H200's Python lacks (docs/validation/h200-serving-wheels.txt),
 b12x with the CuTe DSL at the versions the sm120 lock pins (for the b12x
 metadata check), and the image's pip CUDA toolkit (the recipe's [cuda] pins, for
-the toolchain check).
+the toolchain check), and Ray at the recipe's [cluster] pin (for the two-GPU cluster proof;
+its own dependencies are already on the H200).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def requirements() -> list[str]:
     recipe = load_recipe()
     pins = lock.parse_lock(lock.target_lock(recipe.targets["sm120"], "amd64").read_text())
     return (serving + [f"{name}=={pins[name].version}" for name in FROM_SM120_LOCK]
-            + list(recipe.cuda_toolkit))
+            + list(recipe.cuda_toolkit) + list(recipe.cluster_packages))
 
 
 def download(into: Path) -> list[Path]:
