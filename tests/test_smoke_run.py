@@ -85,6 +85,10 @@ class ScriptedServer:
     def gpu_info(self):
         return H200
 
+    def layout_facts(self):
+        return {"gpus_used": {"gpus": [{"index": 0, "uuid": "GPU-0", "name": "NVIDIA H200", "pids": [7],
+                                        "used_memory_mib": 1024}], "source": "test"}}
+
     def describe(self, report):
         report.python = {"executable": "python3"}
 
