@@ -189,6 +189,16 @@ class DockerServer:
         code, output = self.container.exec_run(argv)
         return code, output.decode(errors="replace")
 
+    def warm_problem(self) -> str | None:
+        """The image's own HEALTHCHECK command, exec'd now (not Docker's last periodic result, up to
+        an interval old): None when it passes, else what it said."""
+        test = (self._image().attrs.get("Config", {}).get("Healthcheck") or {}).get("Test") or []
+        if not test or test[0] == "NONE":
+            return None  # an image without a healthcheck: /health is all there is
+        argv = test[1:] if test[0] == "CMD" else ["/bin/sh", "-c", " ".join(test[1:])]
+        code, output = self._exec(argv)
+        return None if code == 0 else (output.strip() or f"the healthcheck exited {code}")
+
     def verify_argv(self) -> list[str]:
         entrypoint = self._image().attrs.get("Config", {}).get("Entrypoint") or []
         return [*entrypoint, VERIFY_ARG]

@@ -115,6 +115,9 @@ class LocalServer:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def warm_problem(self) -> str | None:
+        return None  # `vllm serve` itself, no warm-up supervisor: ready when /health answers
+
     def run_verify(self) -> tuple[int, str]:
         done = subprocess.run(self.verify_argv, capture_output=True, text=True, env=self.env, cwd="/", timeout=600)
         return done.returncode, done.stdout + done.stderr
