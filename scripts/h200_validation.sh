@@ -33,7 +33,8 @@
 #            for layouts started together, LAYOUT@shared for the IndexError control): health,
 #            Ray nodes and where the workers ran, tokens; then the comparison over every run in
 #            /tmp/results/cluster (cluster.json, cluster.md). CLUSTER_DEADLINE_S (default 540)
-#            bounds the phase. Needs the prepare phase (with Ray) first.
+#            bounds the phase; CLUSTER_ARGS adds options of `cluster run` (e.g. --timeout,
+#            --gpu-memory-utilization). Needs the prepare phase (with Ray) first.
 #
 # Wheels arrive split (scripts/stage_h200_wheels.py) in /tmp/stage. Results go
 # to $OUT (as one tarball plus the summaries: $OUT keeps at most 8 files).
@@ -265,7 +266,8 @@ cluster() {
   log "cluster: $CLUSTER_LAYOUTS, stock vs overlay side by side, within $budget s"
   (cd /tmp && PYTHONPATH="$repo" timeout -k 20 $((budget - 20)) python3 -m dsa_image.validation.cluster run \
     --layouts "$CLUSTER_LAYOUTS" --model "$root/tiny-glm5" --stock-site "$root/site-stock" \
-    --overlay-site "$root/site-overlay" --out "$dir" --deadline-s $((budget - 50))) > "$results/cluster-run.log" 2>&1
+    --overlay-site "$root/site-overlay" --out "$dir" --deadline-s $((budget - 50)) ${CLUSTER_ARGS:-}) \
+    > "$results/cluster-run.log" 2>&1
   echo "cluster run exit: $?" | tee -a "$results/cluster-run.log"
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.cluster cleanup) >> "$results/cluster-run.log" 2>&1
   grep -E '"(netns|mountns|shared|detail|ray[12]-[tp]p2[^"]*)": |as expected|CLUSTER|refused|Traceback' \

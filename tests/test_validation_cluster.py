@@ -299,15 +299,31 @@ def test_node_and_worker_evidence_name_what_differs_from_the_plan():
     missing = {"nodes": _evidence(plan)["nodes"][:1], "actors": []}
     problems = cluster.node_problems(missing, plan)
     assert problems[0].startswith("expected 2 alive Ray node(s), found 1")
-    assert "expected one Ray node at 10.231.1.2 (stock-node-b), found 0" in problems
+    assert "expected one Ray node named stock-node-b (10.231.1.2), found 0" in problems
     assert cluster.node_problems(_evidence(plan, gpus=(1, 2)), plan) == [
         "stock-node-b at 10.231.1.2: expected 1 GPU(s), Ray lists 2"]
     assert cluster.node_problems(_evidence(plan, hostnames={"stock-node-b": "host"}), plan) == [
         "stock-node-b: expected hostname dsa-stock-0-b (own UTS namespace), Ray lists host"]
     both_on_head = cluster.worker_problems(_evidence(plan, workers=("a", "a")), plan, cluster.LAYOUTS["ray2-tp2"])
-    assert both_on_head == [("vLLM workers per node address {'10.231.1.1': 2, '10.231.1.2': 0}, "
+    assert both_on_head == [("vLLM workers per Ray node {'stock-node-a': 2, 'stock-node-b': 0}, "
                              "expected one per GPU of each node")]
     assert cluster.node_problems({"error": "no answer"}, plan) == ["no answer"]
+
+
+def test_a_head_planned_at_127_0_0_1_passes_under_the_address_ray_registers_instead():
+    """`ray start --node-ip-address 127.0.0.1` registers the host's address (the 2x H200: 192.0.2.2);
+    any other planned address must match exactly."""
+    plan = cluster.plan_cluster(_spec("ray1-tp2"), "stock", None, 0)
+    assert plan.head.ip == "127.0.0.1"
+    evidence = _evidence(plan, gpus=(2,), workers=("a", "a"))
+    for row in evidence["nodes"] + evidence["actors"]:
+        row["ip"] = "192.0.2.2"
+    assert cluster.node_problems(evidence, plan) == []
+    assert cluster.worker_problems(evidence, plan, cluster.LAYOUTS["ray1-tp2"]) == []
+    two = cluster.plan_cluster(_spec("ray2-tp2"), "stock", "netns", 0)
+    moved = _evidence(two)
+    moved["nodes"][1]["ip"] = "192.0.2.2"
+    assert cluster.node_problems(moved, two) == ["stock-node-b: expected address 10.231.1.2, Ray lists 192.0.2.2"]
 
 
 # -- logs --------------------------------------------------------------------------------------

@@ -568,6 +568,12 @@ def ray_status(python: str, env: dict, plan: ClusterPlan) -> str:
         return "ray status did not answer within 45 s"
 
 
+# `ray start --node-ip-address 127.0.0.1` registers the host's routable address instead
+# (Ray 2.52.0: ray/_private/services.py:607-621, called from ray/scripts/scripts.py:737; seen on
+# the 2x H200: 192.0.2.2).
+RAY_RESOLVES_TO_HOST = ("127.0.0.1", "::1", "localhost")
+
+
 def node_problems(evidence: dict, plan: ClusterPlan) -> list[str]:
     """What the Ray node list shows against the plan: one alive node per planned node, at its
     address, with its GPU count; two nodes with distinct ids (and hostnames where isolated)."""
@@ -579,9 +585,11 @@ def node_problems(evidence: dict, plan: ClusterPlan) -> list[str]:
         problems.append(f"expected {len(plan.nodes)} alive Ray node(s), found {len(nodes)}: "
                         f"{[(n['ip'], n['gpus']) for n in nodes]}")
     for planned in plan.nodes:
-        seen = [n for n in nodes if n["ip"] == planned.ip]
+        seen = [n for n in nodes if n["name"] == planned.name]
         if len(seen) != 1:
-            problems.append(f"expected one Ray node at {planned.ip} ({planned.name}), found {len(seen)}")
+            problems.append(f"expected one Ray node named {planned.name} ({planned.ip}), found {len(seen)}")
+        elif seen[0]["ip"] != planned.ip and planned.ip not in RAY_RESOLVES_TO_HOST:
+            problems.append(f"{planned.name}: expected address {planned.ip}, Ray lists {seen[0]['ip']}")
         elif seen[0]["gpus"] != planned.num_gpus:
             problems.append(f"{planned.name} at {planned.ip}: expected {planned.num_gpus} GPU(s), Ray lists "
                             f"{seen[0]['gpus']}")
@@ -604,11 +612,11 @@ def worker_problems(evidence: dict, plan: ClusterPlan, layout: Layout) -> list[s
     problems = []
     if len(workers) != expected:
         problems.append(f"expected {expected} alive vLLM worker actors, found {len(workers)}")
-    per_ip = {node.ip: sum(1 for w in workers if w["ip"] == node.ip) for node in plan.nodes}
-    wrong = {ip: n for ip, n in per_ip.items()
-             if n != next(node.num_gpus for node in plan.nodes if node.ip == ip)}
-    if wrong:
-        problems.append(f"vLLM workers per node address {per_ip}, expected one per GPU of each node")
+    # By Ray's node id, not address: Ray may register another address than planned (127.0.0.1).
+    node_id = {n["name"]: n["node_id"] for n in evidence.get("nodes", [])}
+    per_node = {node.name: sum(1 for w in workers if w["node_id"] == node_id.get(node.name)) for node in plan.nodes}
+    if any(per_node[node.name] != node.num_gpus for node in plan.nodes):
+        problems.append(f"vLLM workers per Ray node {per_node}, expected one per GPU of each node")
     return problems
 
 
