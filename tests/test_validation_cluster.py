@@ -159,6 +159,10 @@ def test_the_netns_worker_starts_inside_its_namespaces_and_joins_the_head():
     assert ray[ray.index("--address") + 1] == plan.address
     assert ray[ray.index("--num-gpus") + 1] == "1" and ray[ray.index("--node-ip-address") + 1] == "10.231.2.2"
     assert "--head" not in ray and "--temp-dir" not in ray
+    # Ray aborts a worker given a head-only flag (the first 2x H200 call: --include-dashboard).
+    assert not [a for a in ray for f in cluster.RAY_HEAD_ONLY_FLAGS if a == f or a.startswith(f + "=")]
+    head = cluster.node_command("python3", plan, plan.head)
+    assert "--include-dashboard=false" in head
 
 
 def test_the_isolation_script_mounts_shm_and_the_temp_dir_then_runs_ray(tmp_path):
@@ -552,6 +556,11 @@ def ray_start(args):
         gcs.listen()
         (cluster_dir(address) / "temp_dir").write_text(temp)
     else:
+        # As Ray 2.52.0 does (ray/scripts/scripts.py:1069-1086), which the first GPU call met.
+        head_only = [f for f in ("--port", "--redis-shard-ports", "--include-dashboard")
+                     if any(a == f or a.startswith(f + "=") for a in args)]
+        if head_only:
+            sys.exit(f"PANIC `{head_only[0]}` should only be specified when starting head node with `--head`.")
         address = flag(args, "--address")
         temp = (cluster_dir(address) / "temp_dir").read_text()
     session = Path(temp) / "session_fake"

@@ -385,13 +385,17 @@ TAG_VAR, NODE_VAR = "DSA_CLUSTER_TAG", "DSA_CLUSTER_NODE"
 TAG_PREFIX = "dsa-cluster:"
 
 
+# `ray start` aborts a worker given any of these (Ray 2.52.0 ray/scripts/scripts.py:1069-1086).
+RAY_HEAD_ONLY_FLAGS = ("--port", "--redis-shard-ports", "--include-dashboard")
+
+
 def ray_start_command(python: str, plan: ClusterPlan, node: NodePlan) -> list[str]:
     cmd = [python, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
-           "--include-dashboard=false", "--node-ip-address", node.ip, "--node-name", node.name,
+           "--node-ip-address", node.ip, "--node-name", node.name,
            "--num-gpus", str(node.num_gpus), "--num-cpus", "4",
            "--object-store-memory", str(OBJECT_STORE_BYTES)]
     if node.role == "head":
-        cmd += ["--head", "--port", str(plan.gcs_port), "--temp-dir", plan.temp_dir]
+        cmd += ["--head", "--port", str(plan.gcs_port), "--temp-dir", plan.temp_dir, "--include-dashboard=false"]
     else:
         cmd += ["--address", plan.address]
     for flag, port in node.ports.items():
