@@ -235,20 +235,33 @@ RUN [[ -n "${DEFAULT_MODEL}" && -n "${PORT}" ]] || { echo "DEFAULT_MODEL/PORT em
     chmod 755 /usr/local/bin/dsa-image; \
     install -d -o vllm -g vllm /home/vllm/.cache /home/vllm/.cache/deep_gemm /home/vllm/.cache/triton
 COPY --from=tiny-model /tiny-glm5 ${DEFAULT_MODEL}
-# Run-time JIT caches (DeepGEMM, FlashInfer under ~/.cache, Triton, vLLM) in the user's home.
+# Every run-time compile cache under /home/vllm/.cache, so one named volume there
+# (docker run -v dsa-image-cache:/home/vllm/.cache) keeps them all across restarts; a new named
+# volume starts as a copy of this directory, owned by vllm. Left to their defaults, Inductor
+# (/tmp/torchinductor_vllm), the CUDA driver's PTX cache (~/.nv), Triton (~/.triton) and CuTe DSL
+# (b12x, FlashInfer's CuTe kernels: /tmp/vllm/cutlass_python_cache) would lie outside it. vLLM's
+# (torch.compile artefacts, their Inductor/Triton output, FlashInfer autotune results), FlashInfer's
+# JIT (FLASHINFER_WORKSPACE_BASE/.cache/flashinfer) and DeepGEMM's are named so no default moves them.
 ENV HOME=/home/vllm \
     XDG_CACHE_HOME=/home/vllm/.cache \
-    DG_JIT_CACHE_DIR=/home/vllm/.cache/deep_gemm \
+    VLLM_CACHE_ROOT=/home/vllm/.cache/vllm \
+    TORCHINDUCTOR_CACHE_DIR=/home/vllm/.cache/torchinductor \
     TRITON_CACHE_DIR=/home/vllm/.cache/triton \
+    CUDA_CACHE_PATH=/home/vllm/.cache/nv/ComputeCache \
+    FLASHINFER_WORKSPACE_BASE=/home/vllm \
+    DG_JIT_CACHE_DIR=/home/vllm/.cache/deep_gemm \
+    CUTE_DSL_CACHE_DIR=/home/vllm/.cache/cute_dsl \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     DSA_IMAGE_PORT=${PORT}
 USER vllm
 WORKDIR /home/vllm
 EXPOSE ${PORT}
-# The tiny model is healthy after ~3 minutes on an H200; real models take longer. The probe
-# reads the port and host from the running `vllm serve` command line (--port 9000 included),
-# not from DSA_IMAGE_PORT (the recipe's port, which a user's --port overrides).
+# Healthy = vLLM's /health answers and the entrypoint's warm-up requests are done (its readiness
+# marker; DSA_IMAGE_WARMUP=0: /health alone): the tiny model's /health took ~3 minutes on an H200,
+# real models take longer. The probe reads the port and host from the running `vllm serve`
+# command line (--port 9000 included), not from DSA_IMAGE_PORT (the recipe's port, which a
+# user's --port overrides).
 HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
     CMD ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.healthcheck"]
 ENTRYPOINT ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.entrypoint"]

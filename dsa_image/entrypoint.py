@@ -16,6 +16,11 @@ port, the target's KV-cache dtype) unless ARGS give that flag, and the target's 
 the entrypoint checks that an NVIDIA GPU is visible (libcuda.so.1 loads, cuInit succeeds, at
 least one device): without one vLLM only fails later with a long traceback.
 
+`serve` and a recipe's serve run `vllm serve` under the warm-up supervisor (dsa_image.warmup):
+once vLLM's /health answers it sends the requests whose kernels would otherwise compile during
+the first users' requests, and only then does the HEALTHCHECK report healthy.
+DSA_IMAGE_WARMUP=0 execs vLLM directly (healthy on /health alone, as stock vLLM).
+
 Exit codes (of the entrypoint itself; once `vllm serve` or the overlay tool runs, theirs):
   0  ok (--help)
   1  the image is broken: an environment variable, the recipe or the receipt is missing or wrong
@@ -35,10 +40,11 @@ import hashlib
 import os
 import sys
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from . import warmup
 from .recipe import Recipe, RecipeError, Target, load_recipe
 
 RECEIPT = Path("/opt/dsa-image/receipt.json")
@@ -62,6 +68,19 @@ IMAGE_ENV = {
     "DSA_IMAGE_TOOL": "where dsa_image, scripts/ and the recipe live in the image",
     "DSA_IMAGE_SITE_PACKAGES": "the site-packages the overlay was applied to (verify checks it)",
     "DSA_IMAGE_PORT": "the recipe's port, the one EXPOSEd",
+}
+# The image user's cache directory: the Dockerfile points every compile cache here (one volume).
+CACHE_DIR = "/home/vllm/.cache"
+# Read by serve (dsa_image.warmup); --help lists these too.
+WARMUP_ENV = {
+    warmup.SWITCH_ENV: "1 (default): healthy only after warm-up requests (prefills > 2,048 tokens, decode "
+                       "batches, MTP if set) compiled what first requests would; 0: healthy on vLLM's /health "
+                       "(also true/false)",
+    "DSA_IMAGE_WARMUP_PREFILL": f"the prefill lengths sent (default {','.join(map(str, warmup.DEFAULT_PREFILL))})",
+    "DSA_IMAGE_WARMUP_CONCURRENCY": "the decode batch sizes sent (default "
+                                    f"{','.join(map(str, warmup.DEFAULT_CONCURRENCY))}; each passes every smaller size)",
+    "DSA_IMAGE_WARMUP_TIMEOUT_S": "seconds the warm-up may take (default 1800); past them, or on a wrong "
+                                  "answer, the container stays unhealthy and its log says why",
 }
 
 
@@ -201,7 +220,33 @@ def _no_arguments(mode: str, args: list[str]) -> None:
 
 def _serve(args: list[str], environ: dict[str, str]) -> Plan:
     recipe, target = _recipe_and_target(environ)
-    return plan_serve(args, recipe, target, environ)
+    served = plan_serve(args, recipe, target, environ)
+    return served if _asks_for_help(args) else warmed_up(served, environ)
+
+
+# main() drops PYTHONPATH before exec (vLLM needs none), so the tool's path travels as an argument.
+def tool_main(tool: str, module: str, args: list[str]) -> list[str]:
+    """`python -c ... TOOL ARGS`: dsa_image.<module>.main(ARGS), imported from TOOL."""
+    code = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+            f"from dsa_image.{module} import main; sys.exit(main(sys.argv[1:]))")
+    return [sys.executable, "-c", code, tool, *args]
+
+
+def warmed_up(served: Plan, environ: dict[str, str]) -> Plan:
+    """`served` (vllm serve ...) under the warm-up supervisor, or as it is with DSA_IMAGE_WARMUP=0.
+    A setting it cannot read stops here, before a GPU is touched, naming the variable."""
+    try:
+        enabled = warmup.Settings.from_env(environ).enabled
+    except ValueError as exc:
+        raise EntrypointError(f"{exc}; `docker run IMAGE --help` lists the warm-up's variables") from None
+    if not enabled:
+        off = f"{warmup.SWITCH_ENV}={environ[warmup.SWITCH_ENV]}"
+        return replace(served, log=f"{served.log}\ndsa-image: {off}: no warm-up, healthy as soon as vLLM's "
+                                   "/health answers (first requests may compile kernels)")
+    argv = tool_main(_required_env(environ, "DSA_IMAGE_TOOL"), "warmup", ["supervise", "--", *served.argv])
+    return replace(served, argv=argv,
+                   log=f"{served.log}\ndsa-image: healthy once vLLM's /health answers and the warm-up requests "
+                       f"are done (the log shows each step; {warmup.SWITCH_ENV}=0 skips them)")
 
 
 def _verify(args: list[str], environ: dict[str, str]) -> Plan:
@@ -210,14 +255,9 @@ def _verify(args: list[str], environ: dict[str, str]) -> Plan:
     return plan_verify(tool, Path(_required_env(environ, "DSA_IMAGE_SITE_PACKAGES")))
 
 
-# main() drops PYTHONPATH before exec (vLLM needs none), so the tool's path travels as an argument.
-SELFTEST_CODE = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
-                 "from dsa_image.selftest import main; sys.exit(main(sys.argv[1:]))")
-
-
 def _selftest(args: list[str], environ: dict[str, str]) -> Plan:
     tool = _required_env(environ, "DSA_IMAGE_TOOL")
-    return Plan([sys.executable, "-c", SELFTEST_CODE, tool, *args],
+    return Plan(tool_main(tool, "selftest", args),
                 log="dsa-image: DSA indexer self-test: " + (" ".join(args) or "the kernels this GPU uses"),
                 gpu_for="" if _asks_for_help(args) else "the self-test runs the indexer kernels on it")
 
@@ -270,8 +310,9 @@ def _recipe(args: list[str], environ: dict[str, str]) -> Plan:
         error = EntrypointError(result.error)
         error.exit_code = result.exit_code
         raise error
-    return Plan(result.argv, result.env, result.log, gpu_for=SERVE_NEEDS_GPU if result.argv else "",
-                output=result.output, exit_code=result.exit_code)
+    if not result.argv:  # --list, --dry-run: printed, nothing served
+        return Plan([], output=result.output, exit_code=result.exit_code)
+    return warmed_up(Plan(result.argv, result.env, result.log, gpu_for=SERVE_NEEDS_GPU), environ)
 
 
 def _help(args: list[str], environ: dict[str, str]) -> Plan:
@@ -355,6 +396,10 @@ def usage(environ: dict[str, str]) -> str:
     lines += _defaults_text(environ)
     lines += ["", "environment:"]
     lines += [f"  {name:<24} {what}" for name, what in IMAGE_ENV.items()]
+    lines += ["", "warm-up (serve; set them with docker run -e):"]
+    lines += [_env_line(name, what) for name, what in WARMUP_ENV.items()]
+    lines += [f"  compile caches (Triton, Inductor, vLLM, FlashInfer, DeepGEMM, CUDA) live under {CACHE_DIR}:",
+              f"  docker run -v dsa-image-cache:{CACHE_DIR} keeps them, so a restart reuses what runs before compiled"]
     lines += ["", "across nodes (passed on unchanged; set them with docker run -e):"]
     lines += [f"  {name:<24} {what}" for name, what in CLUSTER_ENV.items()]
     lines += [f"  {SKIP_GPU_CHECK:<24} 1: serve without first checking that a GPU is visible",
@@ -370,6 +415,14 @@ def usage(environ: dict[str, str]) -> str:
               "  4  recipe: layout refused (memory, TP/PP, cluster-only)",
               "  5  recipe: needs another image target"]
     return "\n".join(lines) + "\n"
+
+
+def _env_line(name: str, what: str) -> str:
+    # A name longer than the column gets a line of its own, the description below it.
+    lines = textwrap.wrap(what, width=96, initial_indent=" " * 27, subsequent_indent=" " * 27)
+    if len(name) < 25:
+        return f"  {name:<24} {lines[0].lstrip()}" + "".join(f"\n{line}" for line in lines[1:])
+    return f"  {name}\n" + "\n".join(lines)
 
 
 def plan(args: list[str], environ: dict[str, str]) -> Plan:

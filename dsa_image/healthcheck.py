@@ -1,12 +1,16 @@
-"""The image's HEALTHCHECK: GET /health where `vllm serve` in this container really listens.
+"""The image's HEALTHCHECK: GET /health where `vllm serve` in this container really listens,
+and, when the server runs under the warm-up supervisor, its readiness marker.
 
     python -m dsa_image.healthcheck        exit 0 healthy, 1 not (one line saying why)
 
-The port and host come from the command line of the `vllm serve` process (PID 1 when the
-entrypoint exec'd it, another PID under `docker run --init`), read from /proc: `--port 9000`,
-`--port=9000`, `--host`, https when `--ssl-certfile` is given, the socket of `--uds PATH`. Nothing is written at start
-(a read-only root filesystem works) and nothing can go stale. A port set only in a
-`--config` file is not seen: pass --port on the command line. Stdlib only.
+The port and host come from the command line of the `vllm serve` process (the supervisor's
+child, PID 1 when the entrypoint exec'd vLLM itself, another PID under `docker run --init`),
+read from /proc: `--port 9000`, `--port=9000`, `--host`, https when `--ssl-certfile` is given,
+the socket of `--uds PATH`. A server the supervisor started (DSA_IMAGE_WARM_MARKER in its
+environment) is healthy only once its marker says it is warm (dsa_image.warmup.warm_problem):
+vLLM's /health answers before the first requests' kernels are compiled. Nothing is written
+here (a read-only root filesystem works). A port set only in a `--config` file is not seen:
+pass --port on the command line. Stdlib only.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ TIMEOUT_S = 8  # under the Dockerfile's HEALTHCHECK --timeout
 # How `vllm serve` shows up in argv: the console script (any path), or the module it runs.
 _CLI_MODULE = "vllm.entrypoints.cli.main"
 _API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # takes the serve flags directly
+# The warm-up supervisor carries `vllm serve ...` in its own argv but is not the server: its
+# child is (the marker names the child, and only the child has the marker in its environment).
+_SUPERVISOR_MODULE = "dsa_image.warmup"
 
 
 class NoServer(Exception):
@@ -66,10 +73,16 @@ def serve_args(cmdline: list[str]) -> list[str] | None:
     """The arguments vLLM's server was given, or None when `cmdline` is not a vLLM server."""
     for i in range(len(cmdline) - 1):
         if cmdline[i + 1] == "serve" and (Path(cmdline[i]).name == "vllm" or cmdline[i] == _CLI_MODULE):
-            return cmdline[i + 2:]
+            return None if _supervisor(cmdline[:i]) else cmdline[i + 2:]
     if _API_SERVER_MODULE in cmdline:
-        return cmdline[cmdline.index(_API_SERVER_MODULE) + 1:]
+        i = cmdline.index(_API_SERVER_MODULE)
+        return None if _supervisor(cmdline[:i]) else cmdline[i + 1:]
     return None
+
+
+def _supervisor(before_server: list[str]) -> bool:
+    # `-m dsa_image.warmup` or the entrypoint's `-c "... from dsa_image.warmup import main ..."`.
+    return any(_SUPERVISOR_MODULE in part for part in before_server)
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -103,8 +116,9 @@ def read_cmdline(pid_dir: Path) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]] if raw else []
 
 
-def find_server(proc: Path = PROC) -> list[str]:
-    """The arguments of the `vllm serve` process: PID 1 first, then any other."""
+def find_server(proc: Path = PROC) -> tuple[int, list[str]]:
+    """The pid and arguments of the `vllm serve` process: PID 1 first, then the lowest other
+    (vLLM's own workers rename themselves VLLM::..., and start after it)."""
     pids = sorted((int(p.name) for p in proc.iterdir() if p.name.isdigit()), key=lambda pid: (pid != 1, pid))
     for pid in pids:
         try:
@@ -112,7 +126,7 @@ def find_server(proc: Path = PROC) -> list[str]:
         except OSError:  # gone meanwhile, or not ours to read
             continue
         if args is not None:
-            return args
+            return pid, args
     try:
         first = " ".join(read_cmdline(proc / "1")) or "(empty)"
     except OSError as exc:
@@ -172,7 +186,8 @@ def ray_node_problem(args: list[str], timeout: float = TIMEOUT_S) -> str | None:
 
 def main(proc: Path = PROC) -> int:
     try:
-        endpoint = endpoint_of(find_server(proc))
+        pid, args = find_server(proc)
+        endpoint = endpoint_of(args)
     except (NoServer, ValueError) as exc:
         ray = ray_node_args(read_cmdline(proc / "1")) if (proc / "1").is_dir() else None
         if ray is not None:  # a Ray node of the cluster modes, serving nothing itself (yet)
@@ -182,6 +197,11 @@ def main(proc: Path = PROC) -> int:
         print(f"unhealthy: {exc}")
         return 1
     problem = probe(endpoint)
+    if problem is None:
+        from .warmup import warm_problem  # imported here: dsa_image.warmup imports this module
+
+        warm = warm_problem(pid, proc)
+        problem = f"{endpoint.url} answers, but {warm}" if warm else None
     print(f"unhealthy: {problem}" if problem else f"healthy: {endpoint.url}")
     return 1 if problem else 0
 

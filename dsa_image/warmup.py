@@ -21,9 +21,15 @@ server (a restarted container, a shared /dev/shm under --ipc=host) never counts.
 its path in DSA_IMAGE_WARM_MARKER; a health check finds it there, in /proc/PID/environ, so a
 server started without the supervisor is judged by /health alone.
 
-Environment: DSA_IMAGE_WARMUP=0 skips the requests (the marker follows /health);
-DSA_IMAGE_WARMUP_PREFILL (default 2049,2050,2052,2056,4096), DSA_IMAGE_WARMUP_CONCURRENCY (default 1,8,32),
-DSA_IMAGE_WARMUP_TIMEOUT_S (default 1800, the requests' budget). Stdlib only.
+A warm-up that fails (a wrong answer, out of time, /health never answering) leaves a marker
+saying so: the health check then reports that reason, and the server keeps running, unhealthy,
+for its log and a look inside (docker logs shows the step that failed).
+
+Environment: DSA_IMAGE_WARMUP=0 skips the requests (the marker follows /health; the image's
+entrypoint then runs vLLM without the supervisor); DSA_IMAGE_WARMUP_PREFILL (default
+2049,2050,2052,2056,4096), DSA_IMAGE_WARMUP_CONCURRENCY (default 1,8,32),
+DSA_IMAGE_WARMUP_TIMEOUT_S (default 1800, the requests' budget). A value these cannot read
+stops the start, naming the variable. Stdlib only.
 """
 
 from __future__ import annotations
@@ -47,9 +53,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .atomic import read_regular, write_atomic
 from .healthcheck import UnixHTTPConnection
 
 MARKER_ENV = "DSA_IMAGE_WARM_MARKER"
+SWITCH_ENV = "DSA_IMAGE_WARMUP"
 PROC = Path("/proc")
 # Ids every tokenizer of a real model has as ordinary tokens (the tiny GLM-5's specials are
 # 0..7); a token-id prompt needs no tokenizer round trip and has an exact length.
@@ -252,14 +260,45 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: dict[str, str]) -> "Settings":
-        def numbers(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
-            raw = environ.get(name, "").strip()
-            return tuple(int(x) for x in raw.split(",") if x.strip()) if raw else default
+        """Raises ValueError naming the variable whose value it cannot read."""
+        return cls(enabled=_switch(environ, SWITCH_ENV),
+                   prefill=_numbers(environ, "DSA_IMAGE_WARMUP_PREFILL", DEFAULT_PREFILL),
+                   concurrency=_numbers(environ, "DSA_IMAGE_WARMUP_CONCURRENCY", DEFAULT_CONCURRENCY),
+                   timeout_s=_seconds(environ, "DSA_IMAGE_WARMUP_TIMEOUT_S", 1800.0))
 
-        return cls(enabled=environ.get("DSA_IMAGE_WARMUP", "1") != "0",
-                   prefill=numbers("DSA_IMAGE_WARMUP_PREFILL", DEFAULT_PREFILL),
-                   concurrency=numbers("DSA_IMAGE_WARMUP_CONCURRENCY", DEFAULT_CONCURRENCY),
-                   timeout_s=float(environ.get("DSA_IMAGE_WARMUP_TIMEOUT_S", "1800")))
+
+# A typo must not quietly serve cold (or warm up forever): each reader refuses what it cannot read.
+def _switch(environ: dict[str, str], name: str) -> bool:
+    raw = environ.get(name, "").strip()
+    if raw.lower() not in ("", "0", "1", "true", "false"):
+        raise ValueError(f"{name}={raw!r}: expected 1 or true (warm up before healthy, the default), "
+                         "0 or false (healthy on /health alone)")
+    return raw.lower() not in ("0", "false")
+
+
+def _numbers(environ: dict[str, str], name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        values = tuple(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise ValueError(f"{name}={raw!r}: expected positive whole numbers separated by commas, "
+                         f"e.g. {','.join(map(str, default))} (the default)")
+    return values
+
+
+def _seconds(environ: dict[str, str], name: str, default: float) -> float:
+    raw = environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds above 0, e.g. {default:.0f} (the default)")
+    return value
 
 
 def warm(endpoint: Endpoint, settings: Settings = Settings(), log: Callable[[str], None] = print) -> dict:
@@ -303,28 +342,31 @@ def process_identity(pid: int, proc: Path = PROC) -> dict:
     return {"pid": pid, "starttime": starttime, "boot_id": boot_id}
 
 
-def write_marker(path: Path, server_pid: int, report: dict, proc: Path = PROC) -> None:
+def write_marker(path: Path, server_pid: int, report: dict, proc: Path = PROC, failed: str | None = None) -> None:
+    """Mark server `server_pid` warm, or, with `failed`, record why its warm-up failed (the
+    health check shows that reason instead of "warming up")."""
     doc = {**process_identity(server_pid, proc), "host": socket.gethostname(),
            "warmed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "warmup": report}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)  # the health check never reads half a marker
+    if failed:
+        doc["failed"] = failed
+    write_atomic(path, (json.dumps(doc, indent=1) + "\n").encode())  # never half a marker
 
 
 def clear_marker(path: Path) -> None:
-    for stale in (path, path.with_name(path.name + ".tmp")):
-        try:
-            stale.unlink()
-        except FileNotFoundError:
-            pass
+    try:
+        Path(path).unlink()
+    except FileNotFoundError:
+        pass
 
 
 def marker_problem(path: Path, server_pid: int, proc: Path = PROC) -> str | None:
     """None when `path` marks the running server `server_pid` as warm, else why not."""
     try:
-        doc = json.loads(Path(path).read_text())
+        # read_regular: a FIFO put there (a shared /dev/shm) cannot make the health check hang.
+        doc = json.loads(read_regular(path))
     except FileNotFoundError:
-        return f"warming up: no readiness marker {path} yet"
+        return (f"warming up: no readiness marker {path} yet (the container log shows the warm-up's steps; "
+                f"{SWITCH_ENV}=0 serves without it)")
     except (OSError, ValueError) as exc:
         return f"readiness marker {path} unreadable: {exc}"
     try:
@@ -332,7 +374,12 @@ def marker_problem(path: Path, server_pid: int, proc: Path = PROC) -> str | None
     except (OSError, ValueError, IndexError) as exc:
         return f"server pid {server_pid}: {exc}"
     stale = [k for k in ("pid", "starttime", "boot_id") if doc.get(k) != current[k]]
-    return f"readiness marker {path} is another server's ({', '.join(stale)} differ)" if stale else None
+    if stale:
+        return f"readiness marker {path} is another server's ({', '.join(stale)} differ)"
+    if doc.get("failed"):
+        return (f"the warm-up FAILED: {doc['failed']}; the server stays unhealthy (docker logs shows the "
+                f"failing step; fix it and restart, or set {SWITCH_ENV}=0 to serve without the warm-up)")
+    return None
 
 
 def required_marker(server_pid: int, proc: Path = PROC) -> Path | None:
@@ -393,20 +440,31 @@ def wait_for(child: subprocess.Popen) -> int:
 
 def warm_and_mark(child: subprocess.Popen, exited: threading.Event, endpoint: Endpoint, marker: Path,
                   settings: Settings, health_timeout_s: float) -> bool:
-    """Wait for /health, warm up, then write the marker; on failure no marker (unhealthy)."""
+    """Wait for /health, warm up, then write the marker; on failure a marker saying why (unhealthy)."""
     if not wait_healthy(endpoint, lambda: not exited.is_set(), time.monotonic() + health_timeout_s):
         if not exited.is_set():
-            _log(f"dsa-image warmup: {endpoint.base_url}/health did not answer in {health_timeout_s:.0f} s")
+            _fail(child, marker, f"{endpoint.base_url}/health did not answer in {health_timeout_s:.0f} s")
         return False
+    _log(f"dsa-image warmup: {endpoint.base_url}/health answers; warming up before reporting healthy"
+         if settings.enabled else f"dsa-image warmup: {SWITCH_ENV}=0, no warm-up requests")
     try:
-        report = warm(endpoint, settings, _log) if settings.enabled else {"skipped": "DSA_IMAGE_WARMUP=0"}
+        report = warm(endpoint, settings, _log) if settings.enabled else {"skipped": f"{SWITCH_ENV}=0"}
         write_marker(marker, child.pid, report)
     except (WarmupError, OSError, ValueError, KeyError) as exc:
         if not exited.is_set():
-            _log(f"dsa-image warmup: FAILED: {exc}; the container stays unhealthy (no marker {marker})")
+            _fail(child, marker, str(exc))
         return False
     _log(f"dsa-image warmup: done in {report.get('seconds', 0):.1f} s; healthy from now ({marker})")
     return True
+
+
+def _fail(child: subprocess.Popen, marker: Path, why: str) -> None:
+    _log(f"dsa-image warmup: FAILED: {why}; the container stays unhealthy and vLLM keeps running "
+         f"(restart it once fixed, or set {SWITCH_ENV}=0 to serve without the warm-up)")
+    try:
+        write_marker(marker, child.pid, {}, failed=why)
+    except (OSError, ValueError, IndexError) as exc:  # no marker is unhealthy too, only less telling
+        _log(f"dsa-image warmup: could not record the failure in {marker}: {exc}")
 
 
 def supervise(argv: list[str], environ: dict[str, str], marker: Path | None = None,
@@ -448,13 +506,18 @@ def main(argv: list[str] | None = None) -> int:
     check = commands.add_parser("check", help="exit 0 when server PID is warm (or needs no warm-up)")
     check.add_argument("--pid", type=int, required=True)
     args = parser.parse_args(argv)
+    if args.command != "check":
+        try:
+            settings = Settings.from_env(dict(os.environ))
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.command == "supervise":
         server_argv = args.server_argv[1:] if args.server_argv[:1] == ["--"] else args.server_argv
         if not server_argv:
             parser.error("supervise needs the server's command after --")
         return supervise(server_argv, dict(os.environ), args.marker)
     if args.command == "run":
-        report = warm(Endpoint(args.url.rstrip("/"), args.api_key), Settings.from_env(dict(os.environ)))
+        report = warm(Endpoint(args.url.rstrip("/"), args.api_key), settings)
         print(json.dumps(report, indent=1))
         return 0
     problem = warm_problem(args.pid)

@@ -28,15 +28,22 @@
 #            and a deliberately broken kernel (exits 0, 4 and 1).
 #   b12xserve  the tiny GLM-5 served on the emulated b12x path beside stock (DeepGEMM),
 #            CUDA graphs on: health, errors, tokens, selections explained.
+#   cluster  stock vs overlay on both GPUs, CUDA graphs on, per layout of CLUSTER_LAYOUTS
+#            (mp-tp2, mp-pp2, ray1-tp2, ray2-tp2, ray2-pp2; waves separated by spaces, `+`
+#            for layouts started together, LAYOUT@shared for the IndexError control): health,
+#            Ray nodes and where the workers ran, tokens; then the comparison over every run in
+#            /tmp/results/cluster (cluster.json, cluster.md). CLUSTER_DEADLINE_S (default 540)
+#            bounds the phase; CLUSTER_ARGS adds options of `cluster run` (e.g. --timeout,
+#            --gpu-memory-utilization). Needs the prepare phase (with Ray) first.
 #
 # Wheels arrive split (scripts/stage_h200_wheels.py) in /tmp/stage. Results go
 # to $OUT (as one tarball plus the summaries: $OUT keeps at most 8 files).
-# Usage: bash scripts/h200_validation.sh prepare|install|serve|hosttime|toolchain|smoke
+# Usage: bash scripts/h200_validation.sh PHASE (one of the above)
 set -uo pipefail
-phase=${1:?usage: h200_validation.sh prepare|install|serve|hosttime|toolchain|smoke}
+phase=${1:?usage: h200_validation.sh prepare|install|serve|hosttime|toolchain|smoke|mtp|longctx|deploy|warmstart|bench|b12x|selftest|b12xserve|cluster}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/out}
-results=/tmp/results
+results=${RESULTS_DIR:-/tmp/results}
 mkdir -p "$results" "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export VLLM_DISABLE_COMPILE_CACHE=1
@@ -231,6 +238,51 @@ b12xserve() {
   cp "$results/b12xserve/serving-b12x.json" "$out/" 2>/dev/null
 }
 
+# The cluster phase's inputs, before anything starts: a missing one stops it (exit 3) saying what.
+cluster_inputs() {
+  [ -n "${CLUSTER_LAYOUTS:-}" ] || {
+    echo "cluster: expected CLUSTER_LAYOUTS, e.g. \"mp-tp2+ray1-tp2\" or \"ray2-tp2+ray2-tp2@shared ray2-pp2+mp-pp2\";" \
+      "python3 -m dsa_image.validation.cluster plan --layouts ... prints what each starts" >&2
+    exit 2
+  }
+  local root=${CLUSTER_SITES_ROOT:-/tmp} missing=() f
+  for f in "$root/site-stock/vllm/__init__.py" "$root/site-stock/ray/__init__.py" \
+           "$root/site-overlay/vllm_overlay_receipt.json" "$root/site-overlay/ray/__init__.py" \
+           "$root/tiny-glm5/config.json"; do
+    [ -e "$f" ] || missing+=("$f")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "cluster: expected stock vLLM and Ray in $root/site-stock, the overlaid copy in $root/site-overlay" \
+      "and the tiny GLM-5 in $root/tiny-glm5; missing: ${missing[*]}; run the prepare phase first" \
+      "(its staged wheels must hold Ray, the recipe's [cluster] pin)" >&2
+    exit 3
+  fi
+}
+
+# Stock and overlay side by side per layout; the harness stops every process and namespace it
+# started (also on SIGTERM); `timeout` guards a hang, `cleanup` catches what a kill left.
+cluster() {
+  local root=${CLUSTER_SITES_ROOT:-/tmp} budget=${CLUSTER_DEADLINE_S:-540} dir="$results/cluster"
+  log "cluster: $CLUSTER_LAYOUTS, stock vs overlay side by side, within $budget s"
+  (cd /tmp && PYTHONPATH="$repo" timeout -k 20 $((budget - 20)) python3 -m dsa_image.validation.cluster run \
+    --layouts "$CLUSTER_LAYOUTS" --model "$root/tiny-glm5" --stock-site "$root/site-stock" \
+    --overlay-site "$root/site-overlay" --out "$dir" --deadline-s $((budget - 50)) ${CLUSTER_ARGS:-}) \
+    > "$results/cluster-run.log" 2>&1
+  echo "cluster run exit: $?" | tee -a "$results/cluster-run.log"
+  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.cluster cleanup) >> "$results/cluster-run.log" 2>&1
+  grep -E '"(netns|mountns|shared|detail|ray[12]-[tp]p2[^"]*)": |as expected|CLUSTER|refused|Traceback' \
+    "$results/cluster-run.log" | tail -30
+  # Every run in $dir, this call's and an earlier call's on the same machine.
+  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.cluster compare --out "$dir" "$dir") \
+    > "$results/cluster-compare.log" 2>&1
+  echo "cluster compare exit: $?" | tee -a "$results/cluster-compare.log"
+  grep -E "^\| |^Overall|COMPARISON" "$results/cluster-compare.log" | head -20
+  cp "$dir/cluster.json" "$dir/cluster.md" "$out/" 2>/dev/null
+  cp "$results/environment.txt" "$out/cluster-environment.txt" 2>/dev/null
+  tar -czf "$out/cluster-logs.tgz" -C "$results" cluster cluster-run.log cluster-compare.log 2>/dev/null
+  ls -la "$out"
+}
+
 collect() {
   for f in metadata-equivalence.json metadata-equivalence.txt serving/serving-equivalence.json \
            smoke/smoke-report.json toolchain/smoke-report.json toolchain-compilers.txt environment.txt; do
@@ -257,5 +309,6 @@ case $phase in
   b12x) environment; b12x; collect ;;
   selftest) environment; selftest; collect ;;
   b12xserve) environment; b12xserve; collect ;;
+  cluster) cluster_inputs; environment; cluster ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -5,13 +5,15 @@ Expected values come from the recipe (load_recipe), never typed here."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from dsa_image import entrypoint
+from dsa_image import entrypoint, warmup
 from dsa_image.entrypoint import EntrypointError
 from dsa_image.recipe import REPO_ROOT, load_recipe
 
@@ -25,8 +27,15 @@ def _value(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+def _server(argv: list[str]) -> list[str]:
+    """The server's command the warm-up supervisor runs (after its `--`)."""
+    assert "supervise" in argv, argv
+    return argv[argv.index("--") + 1:]
+
+
 def test_no_arguments_serves_the_tiny_model_with_dummy_weights_and_says_so():
     plan = entrypoint.plan([], ENVIRON)
+    plan = entrypoint.Plan(_server(plan.argv), plan.env, plan.log)
     serving = RECIPE.serving
     assert plan.argv[:3] == ["vllm", "serve", serving["default_model"]]
     assert _value(plan.argv, "--load-format") == serving["default_load_format"]
@@ -52,12 +61,67 @@ def test_the_containers_own_environment_wins_over_the_targets():
 
 
 def test_arguments_go_to_vllm_serve_with_defaults_only_for_flags_not_given():
-    plan = entrypoint.plan(["some/model", "--max_model_len=4096", "--kv-cache-dtype", "auto", "-tp", "8"], ENVIRON)
-    assert plan.argv[:3] == ["vllm", "serve", "some/model"]
-    assert plan.argv.count("--kv-cache-dtype") == 1 and _value(plan.argv, "--kv-cache-dtype") == "auto"
-    assert "--max-model-len" not in plan.argv and "--max_model_len=4096" in plan.argv
-    assert "--load-format" not in plan.argv  # dummy weights only for the built-in model
-    assert _value(plan.argv, "--served-model-name") == RECIPE.serving["served_model_name"]
+    argv = _server(entrypoint.plan(["some/model", "--max_model_len=4096", "--kv-cache-dtype", "auto", "-tp", "8"],
+                                   ENVIRON).argv)
+    assert argv[:3] == ["vllm", "serve", "some/model"]
+    assert argv.count("--kv-cache-dtype") == 1 and _value(argv, "--kv-cache-dtype") == "auto"
+    assert "--max-model-len" not in argv and "--max_model_len=4096" in argv
+    assert "--load-format" not in argv  # dummy weights only for the built-in model
+    assert _value(argv, "--served-model-name") == RECIPE.serving["served_model_name"]
+
+
+# -- the warm-up: healthy only once the first requests' kernels are compiled ---------------------
+
+def test_serve_runs_vllm_under_the_warmup_supervisor_from_the_images_tool():
+    plan = entrypoint.plan(["some/model"], ENVIRON)
+    assert plan.argv[:2] == [sys.executable, "-c"] and "from dsa_image.warmup import main" in plan.argv[2]
+    assert plan.argv[3:6] == [ENVIRON["DSA_IMAGE_TOOL"], "supervise", "--"]
+    assert _server(plan.argv)[:3] == ["vllm", "serve", "some/model"]
+    assert plan.gpu_for == entrypoint.SERVE_NEEDS_GPU and plan.env == SM120.env
+    assert "warm-up requests" in plan.log and "DSA_IMAGE_WARMUP=0" in plan.log
+
+
+def test_the_supervisor_command_imports_the_warmup_from_the_tool_path_without_pythonpath():
+    """The command the entrypoint execs (PYTHONPATH dropped) reaches dsa_image.warmup's CLI: its
+    `check` of this process, which no supervisor started, answers ready."""
+    prefix = entrypoint.plan(["some/model"], ENVIRON).argv[:4]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", warmup.MARKER_ENV)}
+    done = subprocess.run([*prefix, "check", "--pid", str(os.getpid())], env=env, cwd="/", capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ready", done.stderr
+
+
+def test_warmup_off_execs_vllm_itself_and_says_so():
+    plan = entrypoint.plan(["some/model"], {**ENVIRON, "DSA_IMAGE_WARMUP": "0"})
+    assert plan.argv[:3] == ["vllm", "serve", "some/model"] and "supervise" not in plan.argv
+    assert "DSA_IMAGE_WARMUP=0: no warm-up" in plan.log
+
+
+@pytest.mark.parametrize("name, value", [("DSA_IMAGE_WARMUP", "no"), ("DSA_IMAGE_WARMUP_PREFILL", "3000,x"),
+                                         ("DSA_IMAGE_WARMUP_CONCURRENCY", "0"), ("DSA_IMAGE_WARMUP_TIMEOUT_S", "soon")])
+def test_a_warmup_setting_it_cannot_read_stops_the_start_naming_it(name, value):
+    with pytest.raises(EntrypointError, match=f"{name}={value!r}: expected") as raised:
+        entrypoint.plan(["some/model"], {**ENVIRON, name: value})
+    assert raised.value.exit_code == entrypoint.IMAGE_PROBLEM and "--help" in str(raised.value)
+
+
+def test_a_recipes_serve_is_warmed_up_too_and_its_dry_run_is_not():
+    plan = entrypoint.plan(["recipe", "tiny-glm5"], ENVIRON)
+    assert "supervise" in plan.argv and _server(plan.argv)[:2] == ["vllm", "serve"]
+    assert plan.gpu_for == entrypoint.SERVE_NEEDS_GPU
+    off = entrypoint.plan(["recipe", "tiny-glm5"], {**ENVIRON, "DSA_IMAGE_WARMUP": "0"})
+    assert off.argv == _server(plan.argv)
+    dry = entrypoint.plan(["recipe", "tiny-glm5", "--dry-run"], ENVIRON)
+    assert dry.argv == [] and "tiny-glm5" in dry.output and not dry.gpu_for
+
+
+def test_help_lists_the_warmup_variables_and_the_cache_volume():
+    text = entrypoint.plan(["--help"], ENVIRON).output
+    for name in entrypoint.WARMUP_ENV:
+        assert f"\n  {name} " in text or f"\n  {name}\n" in text, name
+    assert "DSA_IMAGE_WARMUP         1 (default)" in text
+    assert f"-v dsa-image-cache:{entrypoint.CACHE_DIR}" in text
+    assert max(len(line) for line in text.splitlines()) <= 130
 
 
 def test_missing_image_environment_is_an_error_naming_the_variable():
@@ -235,7 +299,7 @@ def test_main_with_a_gpu_execs_vllm_with_the_targets_environment_and_no_pythonpa
     with pytest.raises(_Exec) as raised:
         entrypoint.main(["some/model"], gpu_check=lambda: None)
     argv, env = raised.value.args
-    assert argv[:3] == ["vllm", "serve", "some/model"]
+    assert _server(argv)[:3] == ["vllm", "serve", "some/model"]
     assert all(env[k] == v for k, v in SM120.env.items()) and "PYTHONPATH" not in env
     assert "vllm serve with the recipe's defaults" in capsys.readouterr().err
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import healthcheck
+from dsa_image import healthcheck, warmup
 from dsa_image.healthcheck import Endpoint
 
 # The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
@@ -31,6 +31,11 @@ VLLM = ["/opt/venv/bin/python", "/opt/venv/bin/vllm", "serve"]
     (["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "1"], ["--model", "m", "--port", "1"]),
     # the entrypoint before it execs, and other processes: not vLLM's server
     (["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.entrypoint", "serve"], None),
+    # the warm-up supervisor carries vLLM's argv, but its child is the server
+    (["/opt/venv/bin/python", "-m", "dsa_image.warmup", "supervise", "--", "vllm", "serve", "m"], None),
+    (["/opt/venv/bin/python", "-c", "import sys; from dsa_image.warmup import main", "/opt/dsa-image/tool",
+      "supervise", "--", "vllm", "serve", "m"], None),
+    (["python", "-m", "dsa_image.warmup", "supervise", "--", "python", "-m", "vllm.entrypoints.openai.api_server"], None),
     (["/opt/venv/bin/python", "/opt/venv/bin/vllm", "bench", "serve"], None),
     (["sleep", "infinity"], None),
     ([], None),
@@ -61,19 +66,31 @@ def test_endpoint_urls():
     assert Endpoint("http", "::1", 8000).url == "http://[::1]:8000/health"
 
 
-def _fake_proc(root: Path, processes: dict[int, list[str]]) -> Path:
+def _fake_proc(root: Path, processes: dict[int, list[str]], environ: dict[int, dict[str, str]] | None = None) -> Path:
+    """/proc with these processes' cmdline, environ (empty unless given) and start time."""
     for pid, cmdline in processes.items():
         (root / str(pid)).mkdir(parents=True)
         (root / str(pid) / "cmdline").write_bytes(b"".join(part.encode() + b"\0" for part in cmdline))
+        env = (environ or {}).get(pid, {})
+        (root / str(pid) / "environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+        (root / str(pid) / "stat").write_text(f"{pid} (python) S " + " ".join(["0"] * 18) + " 4242 0\n")
     (root / "self").mkdir()  # /proc has non-PID entries too
+    (root / "sys" / "kernel" / "random").mkdir(parents=True)
+    (root / "sys" / "kernel" / "random" / "boot_id").write_text("boot-1\n")
     return root
 
 
 def test_find_server_prefers_pid_1_and_finds_vllm_under_an_init(tmp_path):
     proc = _fake_proc(tmp_path / "a", {1: [*VLLM, "m", "--port", "1"], 30: [*VLLM, "m", "--port", "2"]})
-    assert healthcheck.find_server(proc) == ["m", "--port", "1"]
+    assert healthcheck.find_server(proc) == (1, ["m", "--port", "1"])
     proc = _fake_proc(tmp_path / "b", {1: ["/sbin/docker-init", "--", "/usr/bin/env", "x"], 7: [*VLLM, "m", "--port=9000"]})
-    assert healthcheck.find_server(proc) == ["m", "--port=9000"]
+    assert healthcheck.find_server(proc) == (7, ["m", "--port=9000"])
+
+
+def test_find_server_passes_over_the_warmup_supervisor_to_its_child(tmp_path):
+    supervisor = ["/opt/venv/bin/python", "-m", "dsa_image.warmup", "supervise", "--", "vllm", "serve", "m", "--port", "1"]
+    proc = _fake_proc(tmp_path, {1: supervisor, 12: [*VLLM, "m", "--port", "1"]})
+    assert healthcheck.find_server(proc) == (12, ["m", "--port", "1"])
 
 
 def test_find_server_says_what_runs_when_vllm_does_not(tmp_path):
@@ -130,6 +147,56 @@ def test_main_probes_the_port_vllm_was_given_not_the_default(server, tmp_path, c
     elsewhere = _fake_proc(tmp_path / "elsewhere", {1: [*VLLM, "m", f"--port={free_port()}"]})
     assert healthcheck.main(elsewhere) == 1
     assert "unhealthy: GET" in capsys.readouterr().out
+
+
+def _supervised(tmp_path: Path, port: int, marker: Path) -> Path:
+    """The image's serve: the supervisor as PID 1, vLLM its child with the marker's path."""
+    supervisor = ["/opt/venv/bin/python", "-c", "from dsa_image.warmup import main", "/opt/dsa-image/tool",
+                  "supervise", "--", "vllm", "serve", "m", "--port", str(port)]
+    return _fake_proc(tmp_path / "proc", {1: supervisor, 9: [*VLLM, "m", "--port", str(port)]},
+                      {9: {"PATH": "/bin", warmup.MARKER_ENV: str(marker)}})
+
+
+def test_a_supervised_server_is_unhealthy_until_its_warmup_marker_says_warm(server, tmp_path, capsys):
+    port, _ = server
+    marker = tmp_path / "warm.json"
+    proc = _supervised(tmp_path, port, marker)
+    assert healthcheck.main(proc) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"unhealthy: http://127.0.0.1:{port}/health answers, but warming up: no readiness marker")
+    assert warmup.SWITCH_ENV + "=0" in out and out.count("\n") == 1
+    warmup.write_marker(marker, 9, {"seconds": 1.0}, proc)
+    assert healthcheck.main(proc) == 0
+    assert capsys.readouterr().out == f"healthy: http://127.0.0.1:{port}/health\n"
+
+
+def test_a_failed_warmup_keeps_the_server_unhealthy_and_says_why(server, tmp_path, capsys):
+    port, _ = server
+    marker = tmp_path / "warm.json"
+    proc = _supervised(tmp_path, port, marker)
+    warmup.write_marker(marker, 9, {}, proc, failed="step prefill-2049: HTTP 500")
+    assert healthcheck.main(proc) == 1
+    out = capsys.readouterr().out
+    assert "the warm-up FAILED: step prefill-2049: HTTP 500" in out and "docker logs" in out
+
+
+def test_a_marker_of_an_earlier_server_does_not_count(server, tmp_path, capsys):
+    port, _ = server
+    marker = tmp_path / "warm.json"
+    proc = _supervised(tmp_path, port, marker)
+    warmup.write_marker(marker, 9, {}, proc)
+    (proc / "9" / "stat").write_text("9 (python) S " + " ".join(["0"] * 18) + " 9999 0\n")  # pid 9 reused
+    assert healthcheck.main(proc) == 1
+    assert "another server's (starttime differ)" in capsys.readouterr().out
+
+
+def test_without_the_warmup_health_alone_decides_and_an_unreadable_environment_fails_closed(server, tmp_path, capsys):
+    port, _ = server
+    proc = _fake_proc(tmp_path, {1: [*VLLM, "m", "--port", str(port)]})  # DSA_IMAGE_WARMUP=0: vLLM is PID 1
+    assert healthcheck.main(proc) == 0
+    (proc / "1" / "environ").unlink()
+    assert healthcheck.main(proc) == 1
+    assert "cannot read the server's environment" in capsys.readouterr().out.splitlines()[-1]
 
 
 def test_main_without_vllm_is_unhealthy_and_says_why(tmp_path, capsys):

@@ -28,6 +28,7 @@ from docker.errors import APIError, DockerException, NotFound  # noqa: E402
 from dsa_image.recipe import load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke.docker_runtime import SMOKE_LABEL, DockerServer  # noqa: E402
+from dsa_image.smoke.layout import GpuRequest  # noqa: E402
 from dsa_image.smoke.expect import target_for_capability  # noqa: E402
 from dsa_image.smoke.gpu import capability_of, query_gpus  # noqa: E402
 from dsa_image.smoke.owner import HOST_LABEL, START_LABEL, owner_labels  # noqa: E402
@@ -83,6 +84,10 @@ class FakeContainer:
     def logs(self, stream=False, follow=False, **kw):
         data = self.behaviour.get("log", "").encode()
         return iter([data]) if stream else data
+
+    def top(self):
+        return {"Titles": ["UID", "PID", "PPID", "C", "STIME", "TTY", "TIME", "CMD"],
+                "Processes": [["1000", "4242", "1", "0", "12:00", "?", "00:00:01", "vllm serve"]]}
 
     def exec_run(self, argv):
         self.execs.append(argv)
@@ -149,8 +154,8 @@ class FakeClient:
 
 def fake_run(tmp_path, port, target="sm90", health_timeout=5.0, console=None, **behaviour):
     client = FakeClient(port, **behaviour)
-    server = DockerServer("dsa-image:sm90", [], port, "host", True, tmp_path / "server.log", None, client=client,
-                          console=console or io.StringIO())
+    server = DockerServer("dsa-image:sm90", [], port, "host", GpuRequest(), tmp_path / "server.log", None,
+                          client=client, console=console or io.StringIO())
     server.gpu_info = lambda: {"gpus": [{"name": "NVIDIA H200", "compute_capability": "9.0",
                                          "driver_version": "580"}], "source": "test"}
     report = run_smoke(server, Report(runtime="docker", served_model_name="glm-5"), RECIPE, target, tmp_path,

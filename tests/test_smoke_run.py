@@ -44,8 +44,10 @@ class ScriptedServer:
     verify_command = "overlay.py verify"
 
     def __init__(self, base_url="http://127.0.0.1:9", start_error=None, exit_after_polls=None,
-                 log="", verify=(0, "ok"), on_start=None, selftest=(0, SELFTEST_OUTPUT)):
+                 log="", verify=(0, "ok"), on_start=None, selftest=(0, SELFTEST_OUTPUT), warm_after=0):
         self.base_url = base_url
+        self.warm_after = warm_after  # readiness asks answered "warming up" before it is ready
+        self.warm_asks = 0
         self.start_error = start_error
         self.exit_after_polls = exit_after_polls
         self.log = log
@@ -78,12 +80,20 @@ class ScriptedServer:
     def run_selftest(self):
         return self.selftest
 
+    def warm_problem(self):
+        self.warm_asks += 1
+        return None if self.warm_asks > self.warm_after else "the warm-up has not finished: step decode-32"
+
     def receipt(self):
         return {"schema": 1, "recipe": "glm5-dsa", "vllm_version": "0.24.0", "manifest_sha256": "ab" * 32,
                 "files": [{}, {}]}
 
     def gpu_info(self):
         return H200
+
+    def layout_facts(self):
+        return {"gpus_used": {"gpus": [{"index": 0, "uuid": "GPU-0", "name": "NVIDIA H200", "pids": [7],
+                                        "used_memory_mib": 1024}], "source": "test"}}
 
     def describe(self, report):
         report.python = {"executable": "python3"}
@@ -220,6 +230,27 @@ def test_wait_healthy_uses_the_clock_it_is_given():
     check = wait_healthy(ScriptedServer(), Client("http://127.0.0.1:9"), 600, clock=lambda: next(ticks),
                          sleep=lambda s: None)
     assert not check.passed and "within 600 s" in check.reason
+
+
+class AlwaysHealthy:
+    def status(self, path, timeout_s=5.0):
+        return 200
+
+
+def test_wait_healthy_waits_for_the_warm_up_after_health_answers():
+    ticks = iter(range(0, 10_000, 10))
+    server = ScriptedServer(warm_after=3)
+    check = wait_healthy(server, AlwaysHealthy(), 600, clock=lambda: next(ticks), sleep=lambda s: None)
+    assert check.passed and server.warm_asks == 4
+    assert check.details["health_answered_s"] < check.details["time_to_healthy_s"]
+
+
+def test_wait_healthy_names_the_warm_up_when_it_never_finishes():
+    ticks = iter(range(0, 10_000, 100))
+    check = wait_healthy(ScriptedServer(warm_after=10**6), AlwaysHealthy(), 600, clock=lambda: next(ticks),
+                         sleep=lambda s: None)
+    assert not check.passed
+    assert "/health answered after" in check.reason and "step decode-32" in check.reason
 
 
 # --- the local runtime, end to end, against a fake `vllm serve` process ----------------------

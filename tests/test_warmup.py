@@ -105,9 +105,22 @@ def test_plan_fits_max_model_len_and_adds_a_long_prefill_when_it_allows():
 
 def test_settings_from_the_environment():
     assert warmup.Settings.from_env({}) == warmup.Settings()
+    assert warmup.Settings.from_env({"DSA_IMAGE_WARMUP": "1", "DSA_IMAGE_WARMUP_PREFILL": ""}) == warmup.Settings()
     s = warmup.Settings.from_env({"DSA_IMAGE_WARMUP": "0", "DSA_IMAGE_WARMUP_PREFILL": "3000, 5000",
                                   "DSA_IMAGE_WARMUP_CONCURRENCY": "2", "DSA_IMAGE_WARMUP_TIMEOUT_S": "60"})
     assert s == warmup.Settings(enabled=False, prefill=(3000, 5000), concurrency=(2,), timeout_s=60.0)
+    assert [warmup.Settings.from_env({"DSA_IMAGE_WARMUP": v}).enabled for v in ("true", "False", "1")] == [True, False, True]
+
+
+@pytest.mark.parametrize("name, value", [
+    ("DSA_IMAGE_WARMUP", "off"), ("DSA_IMAGE_WARMUP", "O"),  # a typo must not quietly serve cold
+    ("DSA_IMAGE_WARMUP_PREFILL", "3000;5000"), ("DSA_IMAGE_WARMUP_PREFILL", "-1"), ("DSA_IMAGE_WARMUP_PREFILL", ","),
+    ("DSA_IMAGE_WARMUP_CONCURRENCY", "0"),
+    ("DSA_IMAGE_WARMUP_TIMEOUT_S", "0"), ("DSA_IMAGE_WARMUP_TIMEOUT_S", "nan"), ("DSA_IMAGE_WARMUP_TIMEOUT_S", "1h"),
+])
+def test_settings_refuse_what_they_cannot_read_naming_the_variable_and_what_is_expected(name, value):
+    with pytest.raises(ValueError, match=f"^{name}={value!r}: expected"):
+        warmup.Settings.from_env({name: value})
 
 
 def test_warm_sends_each_step_with_its_batch_in_flight_together():
@@ -194,6 +207,26 @@ def test_marker_counts_only_for_the_server_it_names(tmp_path):
     assert "unreadable" in warmup.marker_problem(marker, 42, proc)
     warmup.clear_marker(marker)
     assert not marker.exists()
+    warmup.clear_marker(marker)  # nothing there: no error
+    assert [p.name for p in tmp_path.iterdir()] == ["proc"]  # no temporary file left behind
+
+
+def test_a_failure_marker_names_the_failure_for_its_server_only(tmp_path):
+    proc = fake_proc(tmp_path / "proc", 42, 1000)
+    marker = tmp_path / "warm.json"
+    warmup.write_marker(marker, 42, {}, proc, failed="out of time (1800 s) before step decode-c32")
+    problem = warmup.marker_problem(marker, 42, proc)
+    assert problem.startswith("the warm-up FAILED: out of time (1800 s) before step decode-c32;")
+    assert "DSA_IMAGE_WARMUP=0" in problem
+    fake_proc(tmp_path / "proc", 42, 2000)  # a later server: the failure was another's
+    assert "another server's" in warmup.marker_problem(marker, 42, proc)
+
+
+def test_a_fifo_in_place_of_the_marker_cannot_hang_the_check(tmp_path):
+    proc = fake_proc(tmp_path / "proc", 42, 1000)
+    marker = tmp_path / "warm.json"
+    os.mkfifo(marker)
+    assert "unreadable" in warmup.marker_problem(marker, 42, proc)
 
 
 def test_only_a_supervised_server_needs_the_marker(tmp_path):
@@ -276,18 +309,30 @@ def test_supervisor_marks_the_warm_server_and_forwards_sigterm(tmp_path):
     assert "dsa-image warmup: done" in supervisor.stderr.read()
 
 
-def test_supervisor_stays_unhealthy_when_the_warmup_fails(tmp_path):
+def test_supervisor_stays_unhealthy_when_the_warmup_fails_and_says_why(tmp_path):
+    """Decided: a failed warm-up keeps vLLM running (its log and state can be looked at; a restart
+    loop would reload the model and lose them), unhealthy, and the health check names the failure."""
     marker = tmp_path / "warm.json"
     supervisor, port = start_supervisor(tmp_path, marker, fake={"faults": ["http_500"]})
     try:
-        assert wait_for(lambda: children(supervisor))
-        time.sleep(3)
-        assert supervisor.poll() is None and not marker.exists()
+        assert wait_for(marker.exists)
+        server = child_pid(supervisor)
+        assert supervisor.poll() is None
+        assert "the warm-up FAILED: step prefill-2500: HTTP 500" in warmup.warm_problem(server)
         supervisor.send_signal(signal.SIGINT)  # forwarded: the fake dies of it, as Python does
         assert supervisor.wait(30) == 128 + signal.SIGINT
     finally:
         kill_all(supervisor)
-    assert "FAILED: step prefill-2500: HTTP 500" in supervisor.stderr.read()
+    err = supervisor.stderr.read()
+    assert "FAILED: step prefill-2500: HTTP 500" in err and "DSA_IMAGE_WARMUP=0" in err
+    assert not marker.exists()  # the supervisor removes it when the server is gone
+
+
+def test_supervisor_refuses_a_setting_it_cannot_read_before_starting_the_server(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "dsa_image.warmup", "supervise", "--", "sleep", "60"],
+                          env={"PYTHONPATH": str(REPO), "DSA_IMAGE_WARMUP_CONCURRENCY": "8,many"},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "DSA_IMAGE_WARMUP_CONCURRENCY='8,many': expected" in done.stderr
 
 
 def test_supervisor_exits_with_the_servers_status(tmp_path):
@@ -310,6 +355,52 @@ def test_supervisor_without_a_server_command_is_a_usage_error():
     done = subprocess.run([sys.executable, "-m", "dsa_image.warmup", "supervise", "--"],
                           env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     assert done.returncode == 2 and "needs the server's command" in done.stderr
+
+
+# -- the image: one cache volume ----------------------------------------------------------------
+
+
+def runtime_stage() -> str:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    return dockerfile.split("FROM overlay AS runtime\n", 1)[1].split("\nFROM ", 1)[0]
+
+
+def runtime_env() -> dict[str, str]:
+    """KEY=VALUE of the runtime stage's ENV instructions (continuation lines joined)."""
+    text = runtime_stage().replace("\\\n", " ")
+    env = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            env.update(part.split("=", 1) for part in line[4:].split())
+    return env
+
+
+# What compiles at run time, by the variable that places its cache (checked against vLLM 0.24.0,
+# FlashInfer 0.6.12 and CUTLASS's CuTe DSL 4.5.2: their defaults lie outside ~/.cache or follow
+# HOME only). FlashInfer's is a base directory: its cache is BASE/.cache/flashinfer.
+CACHE_VARIABLES = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_CACHE_PATH",
+                   "DG_JIT_CACHE_DIR", "CUTE_DSL_CACHE_DIR")
+
+
+def test_every_compile_cache_of_the_image_lies_under_the_one_directory_a_volume_holds():
+    from dsa_image.entrypoint import CACHE_DIR
+
+    env = runtime_env()
+    assert env["HOME"] + "/.cache" == env["XDG_CACHE_HOME"] == CACHE_DIR
+    assert f"--home-dir {env['HOME']} " in runtime_stage() and "\nUSER vllm\n" in runtime_stage()
+    assert f"install -d -o vllm -g vllm {CACHE_DIR} " in runtime_stage()  # a new volume copies its owner
+    for name in CACHE_VARIABLES:
+        assert env.get(name, "").startswith(CACHE_DIR + "/"), f"{name}={env.get(name)}"
+    assert env["FLASHINFER_WORKSPACE_BASE"] + "/.cache" == CACHE_DIR
+
+
+def test_the_readmes_run_commands_keep_the_caches_in_a_named_volume():
+    from dsa_image.entrypoint import CACHE_DIR
+
+    readme = (REPO / "README.md").read_text()
+    runs = [line for line in readme.splitlines() if line.startswith("    ") and "docker run" in line and "--gpus" in line]
+    assert runs and all(f"-v dsa-image-cache:{CACHE_DIR}" in line for line in runs), runs
+    assert "DSA_IMAGE_WARMUP=0" in readme
 
 
 # -- the warm-start measurement -----------------------------------------------------------------

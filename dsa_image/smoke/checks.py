@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from dsa_image.smoke.expect import Expected, backend_problems
 from dsa_image.smoke.http import Client, HttpError
+from dsa_image.smoke.layout import Layout, layout_problems
 from dsa_image.tiny_model import CONFIG as TINY_CONFIG
 
 # Over index_topk, so the indexer scores the prefill; well inside max_model_len (8192).
@@ -252,6 +253,23 @@ def check_backends(log: str, expected: Expected, gpu_problem: str | None) -> Che
     return run_check("backends", body)
 
 
+def check_parallel_layout(log: str, layout: Layout, gpus_used: dict | None) -> Check:
+    """The server ran the layout asked for: every rank of its world size logged its TP/PP
+    assignment, Ray placed the workers when asked for (and not otherwise), and its processes
+    hold that many GPUs (when nvidia-smi can tell)."""
+    def body():
+        problems = layout_problems(log, layout, gpus_used)
+        if problems:
+            raise CheckFailed("; ".join(problems))
+        held = (gpus_used or {}).get("gpus")
+        gpus = (f"its processes hold GPUs {', '.join(str(g['index']) for g in held)}" if held is not None
+                else f"which GPUs it holds is unknown ({(gpus_used or {}).get('error', 'not read')})")
+        return (f"{layout.describe()}: ranks 0-{layout.world_size - 1} logged; {gpus}",
+                {**layout.as_dict(), "gpus_used": held})
+
+    return run_check("parallel_layout", body)
+
+
 def check_verify(run_verify: Callable[[], tuple[int, str]], command: str) -> Check:
     """The overlay tool's `verify` against the code the server runs: exit 0 or the failure."""
     def body():
@@ -292,4 +310,4 @@ def run_http_checks(client: Client, served_name: str) -> list[Check]:
 
 
 HTTP_CHECKS = ("models", "completion_short", "completion_long", "deterministic", "stream", "chat")
-ALL_CHECKS = ("server_healthy",) + HTTP_CHECKS + ("overlay_verify", "indexer_selftest", "backends")
+ALL_CHECKS = ("server_healthy",) + HTTP_CHECKS + ("overlay_verify", "indexer_selftest", "backends", "parallel_layout")

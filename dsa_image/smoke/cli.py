@@ -8,17 +8,22 @@ import tempfile
 from pathlib import Path
 
 from dsa_image.recipe import DEFAULT_RECIPE, RecipeError, load_recipe
+from dsa_image.smoke.layout import BACKENDS, GpuRequest, Layout, LayoutError, positive_int, server_args_problem
 from dsa_image.smoke.owner import CLEANUP_COMMAND
 from dsa_image.smoke.report import LOG_NAME, REPORT_NAME, Report
 from dsa_image.smoke.run import DEFAULT_HEALTH_TIMEOUT_S, StartError, print_summary, run_smoke, resolve_target
 from dsa_image.tiny_model import TinyModelError, write_model
 
 USAGE = """\
-smoke.py --runtime docker --image IMAGE [--target T] [--out DIR] [-- SERVER_ARG...]
-smoke.py --runtime local --python EXE [--site-packages DIR] [--target T] [--out DIR] [-- SERVER_ARG...]"""
+smoke.py --runtime docker --image IMAGE [--gpus all|N|device=I,J] [LAYOUT] [--target T] [--out DIR] [-- SERVER_ARG...]
+smoke.py --runtime local --python EXE [--site-packages DIR] [LAYOUT] [--target T] [--out DIR] [-- SERVER_ARG...]
+LAYOUT: [--tensor-parallel-size N] [--pipeline-parallel-size N] [--distributed-executor-backend mp|ray]"""
 
 EPILOG = f"""\
 Arguments after `--` go to the server (`vllm serve`), e.g. -- --enforce-eager --gpu-memory-utilization 0.15
+(the layout flags go before `--`: smoke.py checks that many GPUs are visible, and with
+--distributed-executor-backend ray that Ray imports, before starting; the report's `parallel`
+section records the layout, the GPUs used, the ranks and Ray lines of the log, the serve argv).
 
 Writes DIR/{REPORT_NAME} (every check with its reason, GPU, image, versions, timings) and
 DIR/{LOG_NAME} (the server's whole log). The container or process group is removed / killed
@@ -29,7 +34,8 @@ Every smoke container, when no smoke run is going on: {CLEANUP_COMMAND}
 exit codes:
   0  every check passed
   1  a check failed (the report says which and why)
-  2  bad usage or input (unknown target, no Docker engine, no such image or python)
+  2  bad usage or input (unknown target, no Docker engine, no such image or python; a layout over
+     more GPUs than visible, or their number unknown; the ray executor without an importable Ray)
   130 interrupted (the report is still written)"""
 
 
@@ -57,6 +63,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="docker: host (default) or a published port on 127.0.0.1")
     parser.add_argument("--no-gpus", action="store_true",
                         help="docker: start without a GPU request (CI: shows how the image fails without one)")
+    parser.add_argument("--gpus", type=GpuRequest.parse, metavar="all|N|device=I,J",
+                        help="docker: the GPUs the container gets (default all); local: CUDA_VISIBLE_DEVICES picks")
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                        help="serve with vLLM's --tensor-parallel-size N (default 1)")
+    parser.add_argument("--pipeline-parallel-size", type=positive_int, default=1, metavar="N",
+                        help="serve with vLLM's --pipeline-parallel-size N (default 1)")
+    parser.add_argument("--distributed-executor-backend", choices=BACKENDS,
+                        help="vLLM's executor: mp (processes on this host) or ray (vLLM starts a local Ray "
+                             "instance unless RAY_ADDRESS or a `ray start` here names a cluster); default: "
+                             "vLLM's choice")
     parser.add_argument("--health-timeout", type=float, default=DEFAULT_HEALTH_TIMEOUT_S, metavar="SECONDS")
     parser.add_argument("--request-timeout", type=float, default=300.0, metavar="SECONDS")
     parser.add_argument("--out", type=Path, default=Path("smoke-report"), help="report directory (default ./smoke-report)")
@@ -66,28 +82,58 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("--runtime docker needs --image")
     if args.runtime == "local" and not args.python:
         parser.error("--runtime local needs --python")
+    if args.gpus and (args.no_gpus or args.runtime != "docker"):
+        parser.error("--gpus is for --runtime docker without --no-gpus (locally, CUDA_VISIBLE_DEVICES picks the GPUs)")
+    problem = server_args_problem(server_args)
+    if problem:
+        parser.error(problem)
     return args, server_args
 
 
+def layout_of(args: argparse.Namespace) -> Layout:
+    return Layout(args.tensor_parallel_size, args.pipeline_parallel_size, args.distributed_executor_backend)
+
+
+def ray_pin(recipe) -> str:
+    return next((p for p in recipe.cluster_packages if p.split("==")[0] == "ray"), "ray")
+
+
 def build_local(args, server_args, recipe, report: Report, echo, scratch: Path):
-    from dsa_image.smoke.local_runtime import LocalServer, serve_command, server_env
+    from dsa_image.smoke.local_runtime import LocalServer, preflight, serve_command, server_env
 
     # Without --target the GPU decides (sm_90 -> sm90 ...): its env and KV cache dtype shape the server.
     target = resolve_target(recipe, args.target, {} if args.target else _host_gpu())
+    layout = layout_of(args)
+    env = server_env(target, args.site_packages, layout)
+    report.parallel = preflight(args.python, env, layout, ray_pin(recipe))
     # The tiny model goes to a scratch directory, removed after the run: the report directory
     # keeps only the report and the log (it may be committed).
     model = args.model or str(write_model(scratch / "tiny-glm5")[0].parent)
     load_format = args.load_format or (recipe.serving["default_load_format"] if not args.model else "auto")
     port = args.port or int(recipe.serving["port"])
-    command = serve_command(args.python, model, recipe, target, port, load_format, server_args)
+    command = serve_command(args.python, model, recipe, target, port, load_format,
+                            layout.server_flags() + server_args)
     report.model, report.server_command, report.target = model, command, target.id
-    return LocalServer(command, args.python, args.site_packages, server_env(target, args.site_packages), port,
-                       args.out / LOG_NAME, echo), target.id
+    report.parallel["serve_argv"] = command
+    return LocalServer(command, args.python, args.site_packages, env, port, args.out / LOG_NAME, echo), target.id
 
 
 def build_docker(args, server_args, recipe, report: Report, echo, scratch: Path):
-    from dsa_image.smoke.docker_runtime import DockerServer
+    from dsa_image.smoke.gpu import query_inventory
+    from dsa_image.smoke.layout import check_fits, layout_record, visible_docker
 
+    layout = layout_of(args)
+    gpus = None if args.no_gpus else (args.gpus or GpuRequest())
+    visible = visible_docker(gpus, query_inventory())
+    check_fits(layout, visible)
+    from dsa_image.smoke.docker_runtime import DockerServer  # the Docker SDK: only once the layout fits
+
+    # The image carries Ray (the recipe's [cluster] pin); without RAY_ADDRESS vLLM starts a
+    # Ray instance of its own in the container, one node with the container's GPUs.
+    ray = ({"instance": "a local instance vLLM starts in the container", "node_count": 1}
+           if layout.backend == "ray" else None)
+    report.parallel = layout_record(layout, visible, ray)
+    server_args = layout.server_flags() + server_args
     # The image serves its built-in model when given no arguments; with server arguments it
     # serves the first one, so name the built-in model (and its dummy weights) explicitly.
     if args.model:
@@ -97,13 +143,13 @@ def build_docker(args, server_args, recipe, report: Report, echo, scratch: Path)
                       *server_args]
     else:
         image_args = []
-    server = DockerServer(args.image, image_args, int(recipe.serving["port"]), args.network, not args.no_gpus,
-                          args.out / LOG_NAME, echo)
+    server = DockerServer(args.image, image_args, int(recipe.serving["port"]), args.network, gpus,
+                          args.out / LOG_NAME, echo, env=layout.server_env())
     target = args.target or server.image_target()
     server.port = server.image_port(server.port)
     server.base_url = f"http://127.0.0.1:{server.port}"
     report.model = args.model or recipe.serving["default_model"]
-    report.server_command = ["docker", "run", args.image, *image_args]
+    report.server_command = server.run_command()
     return server, target
 
 
@@ -123,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
             build = build_docker if args.runtime == "docker" else build_local
             args.out.mkdir(parents=True, exist_ok=True)
             server, target = build(args, server_args, recipe, report, echo, Path(scratch))
-        except (RecipeError, TinyModelError, StartError, OSError) as e:
+        except (RecipeError, TinyModelError, StartError, LayoutError, OSError) as e:
             print(f"smoke: {e}", file=sys.stderr)
             return 2
-        report = run_smoke(server, report, recipe, target, args.out, args.health_timeout, args.request_timeout)
+        report = run_smoke(server, report, recipe, target, args.out, args.health_timeout, args.request_timeout,
+                           layout_of(args))
     print_summary(report, args.out / REPORT_NAME)
     if report.interrupted:
         return 130

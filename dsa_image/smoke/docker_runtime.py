@@ -21,7 +21,8 @@ import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DeviceRequest
 
-from dsa_image.smoke.gpu import host_runner, query_gpus
+from dsa_image.smoke.gpu import gpus_held, host_runner, query_gpus
+from dsa_image.smoke.layout import GpuRequest, query_shm
 from dsa_image.smoke.owner import (ALIVE, CLEANUP_COMMAND, GONE, RUN_LABEL, UNKNOWN, Host, judge, owner_labels,
                                    this_host)
 from dsa_image.smoke.report import Report
@@ -77,13 +78,19 @@ def sweep_leftovers(client, console: IO[str], host: Host | None = None) -> list[
 
 
 class DockerServer:
-    def __init__(self, image_ref: str, command: list[str], port: int, network: str, gpus: bool,
-                 log_path: Path, echo: IO[str] | None, client=None, console: IO[str] | None = None):
+    """`gpus`: what the container asks for (None: no GPU request); `env`: variables the
+    container gets (the layout's, e.g. Ray's log settings)."""
+
+    def __init__(self, image_ref: str, command: list[str], port: int, network: str, gpus: GpuRequest | None,
+                 log_path: Path, echo: IO[str] | None, client=None, console: IO[str] | None = None,
+                 env: dict[str, str] | None = None):
         self.image_ref = image_ref
         self.command = command
         self.port = port
         self.network = network
         self.gpus = gpus
+        self.env = dict(env or {})
+        self.run_host = host_runner  # nvidia-smi on this host; tests put a fake here
         self.log_path = log_path
         self.echo = echo
         # What the run itself says (leftover containers): shown even with --quiet, which
@@ -126,12 +133,17 @@ class DockerServer:
         image = self._image()
         self.verify_command = "docker exec CONTAINER " + " ".join(self.verify_argv())
         self.leftovers = sweep_leftovers(self._client(), self.console or sys.stderr)
+        # ipc=host: vLLM's workers and Ray's object store share memory through /dev/shm, and
+        # with the host's IPC the container mounts the host's /dev/shm (Docker applies a
+        # shm_size only to a private IPC namespace, so none is passed).
         options = dict(
             image=image.id, command=self.command or None, detach=True, name=f"dsa-smoke-{self.run_id}",
-            labels={SMOKE_LABEL: self.run_id, **owner_labels()}, ipc_mode="host",  # vLLM's workers share memory
+            labels={SMOKE_LABEL: self.run_id, **owner_labels()}, ipc_mode="host",
         )
-        if self.gpus:
-            options["device_requests"] = [DeviceRequest(count=-1, capabilities=[["gpu"]])]
+        if self.env:
+            options["environment"] = self.env
+        if self.gpus is not None:
+            options["device_requests"] = [DeviceRequest(capabilities=[["gpu"]], **self.gpus.docker_kwargs())]
         if self.network == "host":
             options["network_mode"] = "host"
         else:
@@ -141,7 +153,7 @@ class DockerServer:
             self.container.start()
         except APIError as e:
             hint = (" (the GPU request failed: is the NVIDIA container toolkit installed and a GPU present?)"
-                    if self.gpus and "gpu" in str(e).lower() else "")
+                    if self.gpus is not None and "gpu" in str(e).lower() else "")
             raise StartError(f"docker refused to start {self.image_ref}: {e.explanation or e}{hint}") from None
         if self.network != "host":
             self.container.reload()
@@ -177,6 +189,16 @@ class DockerServer:
         code, output = self.container.exec_run(argv)
         return code, output.decode(errors="replace")
 
+    def warm_problem(self) -> str | None:
+        """The image's own HEALTHCHECK command, exec'd now (not Docker's last periodic result, up to
+        an interval old): None when it passes, else what it said."""
+        test = (self._image().attrs.get("Config", {}).get("Healthcheck") or {}).get("Test") or []
+        if not test or test[0] == "NONE":
+            return None  # an image without a healthcheck: /health is all there is
+        argv = test[1:] if test[0] == "CMD" else ["/bin/sh", "-c", " ".join(test[1:])]
+        code, output = self._exec(argv)
+        return None if code == 0 else (output.strip() or f"the healthcheck exited {code}")
+
     def verify_argv(self) -> list[str]:
         entrypoint = self._image().attrs.get("Config", {}).get("Entrypoint") or []
         return [*entrypoint, VERIFY_ARG]
@@ -201,6 +223,34 @@ class DockerServer:
                 return json.loads(member.read()) if member else None
         except (DockerException, tarfile.TarError, KeyError, ValueError):
             return None
+
+    def run_command(self) -> list[str]:
+        """The `docker run` command line that starts the same container (for the report)."""
+        argv = ["docker", "run", "--rm", "--ipc=host"]
+        if self.gpus is not None:
+            argv += ["--gpus", self.gpus.cli()]
+        argv += ["--network", "host"] if self.network == "host" else ["-p", f"127.0.0.1::{self.port}"]
+        argv += [part for key, value in sorted(self.env.items()) for part in ("-e", f"{key}={value}")]
+        return [*argv, self.image_ref, *self.command]
+
+    def _container_pids(self) -> set[int]:
+        """The container's processes as the host numbers them (what the host's nvidia-smi lists)."""
+        if self.container is None:
+            return set()
+        try:
+            top = self.container.top()
+        except DockerException:
+            return set()
+        titles = top.get("Titles") or []
+        if "PID" not in titles:
+            return set()
+        column = titles.index("PID")
+        return {int(row[column]) for row in top.get("Processes") or [] if str(row[column]).isdigit()}
+
+    def layout_facts(self) -> dict:
+        pids = self._container_pids()
+        return {"gpus_used": gpus_held(pids.__contains__, self.run_host, "host"),
+                "shm": query_shm(self._exec, "in the container")}
 
     def gpu_info(self) -> dict:
         info = query_gpus(host_runner, "host")

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import IO
 
 from dsa_image.recipe import Recipe, Target
-from dsa_image.smoke.gpu import query_gpus
+from dsa_image.smoke.gpu import gpus_held, host_runner, query_gpus, query_inventory
+from dsa_image.smoke.layout import (SINGLE_GPU, Layout, LayoutError, check_fits, layout_record, query_shm,
+                                    visible_local, visible_ray_cluster)
+from dsa_image.smoke.owner import parent_pid
 from dsa_image.smoke.report import Report
 from dsa_image.smoke.run import LogFollower, StartError
 
@@ -23,6 +26,39 @@ REPO = Path(__file__).resolve().parents[2]
 OVERLAY_TOOL = REPO / "scripts" / "overlay.py"
 RECEIPT_NAME = "vllm_overlay_receipt.json"
 STOP_GRACE_S = 30.0
+RAY_PROBE_TIMEOUT_S = 120
+MAX_PROCESS_DEPTH = 32  # server -> engine core -> raylet -> worker -> ...: far fewer in practice
+
+# Run by the served environment's Python (its env, cwd "/"): is Ray importable, and which cluster
+# will vLLM's `ray.init(address=None)` use? Ray's own resolution (RAY_ADDRESS, else the cluster a
+# `ray start` here recorded, else None: a new local instance). A cluster to join is asked for its
+# alive nodes, so the preflight counts its GPUs and a dead recorded address is caught before vLLM
+# hits it. Prints one JSON line.
+RAY_PROBE = """\
+import json, sys
+out = {}
+try:
+    import ray
+except BaseException as e:
+    print(json.dumps({"import_error": f"{type(e).__name__}: {e}"}))
+    sys.exit(0)
+out["version"] = getattr(ray, "__version__", None)
+out["module"] = getattr(ray, "__file__", None)
+try:
+    from ray._private.services import canonicalize_bootstrap_address
+    out["joins"] = canonicalize_bootstrap_address(None)
+except Exception as e:
+    out["joins_error"] = f"{type(e).__name__}: {e}"
+if out.get("joins"):
+    try:
+        ray.init(address=out["joins"], logging_level="ERROR", log_to_driver=False)
+        out["nodes"] = [{"ip": n.get("NodeManagerAddress"), "resources": n.get("Resources", {})}
+                        for n in ray.nodes() if n.get("Alive")]
+        ray.shutdown()
+    except Exception as e:
+        out["cluster_error"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
 
 
 def serve_command(python: str, model: str, recipe: Recipe, target: Target, port: int, load_format: str,
@@ -54,6 +90,7 @@ class LocalServer:
         self.proc: subprocess.Popen | None = None
         self.follower: LogFollower | None = None
         self._stopped = False
+        self.run_host = host_runner  # nvidia-smi and df on this host; tests put fakes here
         verify = [str(OVERLAY_TOOL), "verify", "--python", python]
         if site_packages:
             verify += ["--site-packages", site_packages]
@@ -77,6 +114,9 @@ class LocalServer:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def warm_problem(self) -> str | None:
+        return None  # `vllm serve` itself, no warm-up supervisor: ready when /health answers
 
     def run_verify(self) -> tuple[int, str]:
         done = subprocess.run(self.verify_argv, capture_output=True, text=True, env=self.env, cwd="/", timeout=600)
@@ -108,6 +148,29 @@ class LocalServer:
 
     def gpu_info(self) -> dict:
         return query_gpus()
+
+    def _is_server_process(self, pid: int) -> bool:
+        """In the server's process group (what `stop` signals: vLLM's workers, and the raylet
+        and workers of the Ray instance its engine starts, inherit it), or below the server:
+        Ray workers that lead process groups of their own (RAY_process_group_cleanup_enabled)."""
+        if self.proc is None:
+            return False
+        try:
+            if os.getpgid(pid) == self.proc.pid:
+                return True
+        except OSError:
+            return False
+        for _ in range(MAX_PROCESS_DEPTH):
+            pid = parent_pid(pid)
+            if pid is None or pid <= 1:
+                return False
+            if pid == self.proc.pid:
+                return True
+        return False
+
+    def layout_facts(self) -> dict:
+        return {"gpus_used": gpus_held(self._is_server_process, self.run_host, "host"),
+                "shm": query_shm(self.run_host, "host")}
 
     def describe(self, report: Report) -> None:
         probe = ("import importlib.metadata as m, json, sys; "
@@ -146,12 +209,80 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-def server_env(target: Target, site_packages: str | None) -> dict[str, str]:
-    """The environment of the server: ours, the target's env (e.g. the b12x switch), and the
-    --site-packages dir first on PYTHONPATH (a `pip install --target` tree)."""
+def server_env(target: Target, site_packages: str | None, layout: Layout = SINGLE_GPU) -> dict[str, str]:
+    """The environment of the server: ours, the target's env (e.g. the b12x switch), the
+    layout's (Ray's log settings), and the --site-packages dir first on PYTHONPATH (a
+    `pip install --target` tree)."""
     env = dict(os.environ)
     env.update(target.env)
+    env.update(layout.server_env())
     if site_packages:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (site_packages, env.get("PYTHONPATH")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def probe_ray(python: str, env: dict[str, str]) -> dict:
+    """RAY_PROBE's answer from the served environment, or {"error": ...} when it gave none."""
+    try:
+        done = subprocess.run([python, "-c", RAY_PROBE], capture_output=True, text=True, env=env, cwd="/",
+                              timeout=RAY_PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": f"{python} could not run the Ray probe: {e}"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    try:
+        if done.returncode == 0 and lines:
+            return json.loads(lines[-1])
+    except ValueError:
+        pass
+    return {"error": f"the Ray probe exited {done.returncode}: {(done.stderr or done.stdout).strip()[-500:]}"}
+
+
+def ray_problem(probe: dict, python: str, ray_pin: str) -> str | None:
+    """Why vLLM's Ray executor cannot start from this environment, or None."""
+    if probe.get("error"):
+        return f"--distributed-executor-backend ray: {probe['error']}"
+    if probe.get("import_error"):
+        return (f"--distributed-executor-backend ray needs Ray importable by {python} (with --site-packages "
+                f"first on PYTHONPATH), but `import ray` failed: {probe['import_error']}; install the recipe's "
+                f"pin into that environment (pip install {ray_pin}, with --target DIR for a --site-packages DIR)")
+    if probe.get("cluster_error"):
+        return (f"--distributed-executor-backend ray: vLLM's ray.init() would join the Ray cluster at "
+                f"{probe['joins']} (RAY_ADDRESS, or the address a `ray start` here recorded in "
+                f"/tmp/ray/ray_current_cluster), which does not answer: {probe['cluster_error']}; start that "
+                f"cluster, or unset RAY_ADDRESS / run `ray stop` so vLLM starts its own local instance")
+    return None
+
+
+def ray_record(probe: dict) -> dict:
+    """The report's `ray` section from the probe: version, and the cluster vLLM joins or starts."""
+    record = {"version": probe.get("version"), "module": probe.get("module")}
+    if probe.get("joins"):
+        nodes = probe.get("nodes") or []
+        record.update(instance=f"joins the cluster at {probe['joins']}", address=probe["joins"], nodes=nodes,
+                      node_count=len(nodes))
+    elif probe.get("joins_error"):  # Ray's resolution is private API: another Ray may lack it
+        record.update(instance=f"unknown: cannot tell whether ray.init() joins a cluster ({probe['joins_error']})",
+                      node_count=None)
+    else:
+        record.update(instance="a local instance vLLM starts (no RAY_ADDRESS, no `ray start` cluster "
+                               "recorded here)", node_count=1)
+    return record
+
+
+def preflight(python: str, env: dict[str, str], layout: Layout, ray_pin: str, run_host=host_runner) -> dict:
+    """Refuse (LayoutError) what cannot serve this layout: Ray not importable or its cluster
+    dead, more GPUs than visible. Returns the report's `parallel` section."""
+    ray = None
+    if layout.backend == "ray":
+        probe = probe_ray(python, env)
+        problem = ray_problem(probe, python, ray_pin)
+        if problem:
+            raise LayoutError(problem)
+        ray = ray_record(probe)
+    if ray and ray.get("address"):
+        visible = visible_ray_cluster(ray["address"], ray["nodes"])
+    else:
+        visible = visible_local(env.get("CUDA_VISIBLE_DEVICES"), query_inventory(run_host))
+    check_fits(layout, visible)
+    return layout_record(layout, visible, ray)

@@ -57,9 +57,9 @@ def this_host() -> Host:
     return Host(socket.gethostname(), _read("/proc/sys/kernel/random/boot_id"), pid_namespace)
 
 
-def process_start(pid: int) -> str | None:
-    """The start time of `pid` (field 22 of /proc/PID/stat), or None when no process runs
-    there: none at all, or a zombie, which runs no code and only waits for its parent."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat (state, ppid, ...), or None when no process runs there:
+    none at all, or a zombie, which runs no code and only waits for its parent."""
     stat = _read(f"/proc/{pid}/stat")
     if not stat:
         return None
@@ -67,7 +67,19 @@ def process_start(pid: int) -> str | None:
     fields = stat.rpartition(")")[2].split()
     if len(fields) < 20 or fields[0] in ("Z", "X"):
         return None
-    return fields[19]
+    return fields
+
+
+def process_start(pid: int) -> str | None:
+    """The start time of `pid` (field 22 of /proc/PID/stat), or None when no process runs there."""
+    fields = _stat_fields(pid)
+    return fields[19] if fields else None
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of `pid` (field 4 of /proc/PID/stat), or None when no process runs there."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else None
 
 
 def owner_labels(pid: int | None = None, host: Host | None = None) -> dict[str, str]:

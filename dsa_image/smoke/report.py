@@ -47,6 +47,9 @@ class Report:
     image: dict | None = None
     python: dict | None = None
     gpu: dict | None = None
+    # The parallel layout: asked (tp, pp, backend, world size, flags), GPUs visible, Ray, then
+    # what ran (GPUs held, /dev/shm, ranks and Ray lines of the log, the serve argv).
+    parallel: dict | None = None
     expected: dict | None = None
     versions: dict = field(default_factory=dict)
     receipt: dict | None = None
@@ -76,6 +79,7 @@ class Report:
             "image": self.image,
             "python": self.python,
             "gpu": self.gpu,
+            "parallel": self.parallel,
             "expected": self.expected,
             "versions": self.versions,
             "receipt": self.receipt,

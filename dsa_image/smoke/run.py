@@ -16,6 +16,7 @@ from dsa_image.smoke import checks as C
 from dsa_image.smoke.expect import capability_problem, expected_for, target_for_capability
 from dsa_image.smoke.gpu import capability_of
 from dsa_image.smoke.http import Client
+from dsa_image.smoke.layout import SINGLE_GPU, Layout, logged_layout, summary
 from dsa_image.smoke.report import LOG_NAME, Report, log_tail, summarize_receipt, write_report
 
 DEFAULT_HEALTH_TIMEOUT_S = 600.0
@@ -42,6 +43,8 @@ class Server(Protocol):
     def run_selftest(self) -> tuple[int, str]: ...
     def receipt(self) -> dict | None: ...
     def gpu_info(self) -> dict: ...
+    def layout_facts(self) -> dict: ...  # {"gpus_used": GPUs its processes hold, "shm": /dev/shm}
+    def warm_problem(self) -> str | None: ...  # after /health: None once it takes traffic (warm-up done)
     def describe(self, report: Report) -> None: ...  # fills image / python / versions
     def stop(self) -> None: ...
 
@@ -101,22 +104,37 @@ class LogFollower:
 
 def wait_healthy(server: Server, client: Client, timeout_s: float,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> C.Check:
-    """Poll /health until 200, the server exits, or `timeout_s` passes."""
+    """Poll /health until 200 and then the server's readiness (the image's healthcheck: its
+    warm-up done) until ready, the server exits, or `timeout_s` passes.
+
+    The image's /health answers before its warm-up requests have run; checks sent then would
+    be batched with the warm-up's traffic and time the compiles the warm-up exists to take."""
     start = clock()
+    answered_s = None
     while True:
-        if client.status("/health") == 200:
-            seconds = clock() - start
-            return C.Check("server_healthy", True, f"/health answered 200 after {seconds:.1f} s", seconds,
-                           {"time_to_healthy_s": round(seconds, 1)})
+        if answered_s is None and client.status("/health") == 200:
+            answered_s = clock() - start
+        if answered_s is not None:
+            problem = server.warm_problem()
+            if problem is None:
+                seconds = clock() - start
+                return C.Check("server_healthy", True,
+                               f"/health answered 200 after {answered_s:.1f} s, ready after {seconds:.1f} s",
+                               seconds, {"time_to_healthy_s": round(seconds, 1),
+                                         "health_answered_s": round(answered_s, 1)})
         code = server.exit_code()
         if code is not None:
+            when = "before /health answered" if answered_s is None else "after /health answered, before it was ready"
             return C.Check("server_healthy", False,
-                           f"the server exited with code {code} after {clock() - start:.1f} s, before /health "
-                           f"answered; log tail:\n{_startup_tail(server)}", clock() - start,
+                           f"the server exited with code {code} after {clock() - start:.1f} s, {when}; "
+                           f"log tail:\n{_startup_tail(server)}", clock() - start,
                            {"exit_code": code})
         if clock() - start > timeout_s:
+            waited_for = ("/health did not answer 200" if answered_s is None else
+                          f"/health answered after {answered_s:.1f} s but the server was not ready "
+                          f"({problem})")
             return C.Check("server_healthy", False,
-                           f"/health did not answer 200 within {timeout_s:.0f} s (raise --health-timeout for big "
+                           f"{waited_for} within {timeout_s:.0f} s (raise --health-timeout for big "
                            f"models); log tail:\n{_startup_tail(server)}", clock() - start)
         sleep(POLL_S)
 
@@ -138,17 +156,21 @@ def resolve_target(recipe: Recipe, target_id: str | None, gpu: dict) -> Target:
 
 
 def run_smoke(server: Server, report: Report, recipe: Recipe, target_id: str | None, out_dir: Path,
-              health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S, request_timeout_s: float = 300.0) -> Report:
-    """Run every check against `server`, always stop it, and write the report into `out_dir`."""
+              health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S, request_timeout_s: float = 300.0,
+              layout: Layout = SINGLE_GPU) -> Report:
+    """Run every check against `server` (serving `layout`), always stop it, and write the
+    report into `out_dir`."""
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     run_start = time.monotonic()
+    report.parallel = report.parallel or layout.as_dict()
     try:
-        _run_checks(server, report, recipe, target_id, health_timeout_s, request_timeout_s)
+        _run_checks(server, report, recipe, target_id, health_timeout_s, request_timeout_s, layout)
     except (KeyboardInterrupt, Interrupted) as e:
         report.interrupted = True
         report.errors.append(f"interrupted ({type(e).__name__} {e}); the server was stopped")
     finally:
         log = _stop(server, report)
+        report.parallel.update(logged_layout(log, layout))
         for s, handler in previous.items():
             signal.signal(s, handler)
         report.timings["total_s"] = round(time.monotonic() - run_start, 1)
@@ -183,7 +205,7 @@ def _stop(server: Server, report: Report) -> str:
 
 
 def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str | None,
-                health_timeout_s: float, request_timeout_s: float) -> None:
+                health_timeout_s: float, request_timeout_s: float, layout: Layout) -> None:
     report.gpu = server.gpu_info()
     try:
         target = resolve_target(recipe, target_id, report.gpu)
@@ -206,6 +228,8 @@ def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str |
     _describe(server, report)
     if not healthy.passed:
         return
+    # Now, while it serves: the GPUs its processes hold are the ones it uses.
+    report.parallel.update(_layout_facts(server))
     report.checks += C.run_http_checks(client, report.served_model_name)
     report.timings["requests_s"] = {c.name: c.details.get("latency_s") for c in report.checks
                                     if c.details.get("latency_s") is not None}
@@ -214,7 +238,18 @@ def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str |
     capability = capability_of(report.gpu)
     expected = expected_for(target, capability)
     report.expected = expected.as_dict()
-    report.checks.append(C.check_backends(server.log_text(), expected, capability_problem(target, capability)))
+    log = server.log_text()
+    report.checks.append(C.check_backends(log, expected, capability_problem(target, capability)))
+    report.checks.append(C.check_parallel_layout(log, layout, report.parallel.get("gpus_used")))
+
+
+def _layout_facts(server: Server) -> dict:
+    # What the report says of the GPUs held: failing to read it leaves that unknown (the
+    # parallel_layout check then rests on the log), it does not stop the run.
+    try:
+        return server.layout_facts()
+    except Exception as e:
+        return {"gpus_used": {"error": f"reading them failed: {type(e).__name__}: {e}"}}
 
 
 def _describe(server: Server, report: Report) -> None:
@@ -234,6 +269,8 @@ def _fill_not_run(report: Report) -> None:
 
 
 def print_summary(report: Report, report_path: Path, stream: IO[str] = sys.stderr) -> None:
+    if report.parallel:
+        stream.write(f"LAYOUT {summary(report.parallel)}\n")
     for check in report.checks:
         mark = "PASS" if check.passed else "FAIL"
         first_line, *rest = check.reason.splitlines() or [""]

@@ -42,6 +42,16 @@ def prompts(vocab_size: int = 1024, seed: int = 7) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
+def server_env(site: str, home: str, env_extra: dict | None = None) -> dict:
+    """The environment a vLLM process of one build runs in: that build's site on PYTHONPATH and
+    its own HOME and compile caches (the cluster harness starts Ray nodes with it too: Ray
+    workers inherit the environment of `ray start`). Creates HOME."""
+    os.makedirs(home, exist_ok=True)
+    return dict(os.environ, PYTHONPATH=site, HOME=home, VLLM_CACHE_ROOT=f"{home}/vllm",
+                DG_JIT_CACHE_DIR=f"{home}/cache/deep_gemm", TRITON_CACHE_DIR=f"{home}/triton",
+                **(env_extra or {}))
+
+
 def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
                  max_model_len=8192, python=None, env_extra=None):
     # A HOME (compile caches) each; the benchmark and the warm-start measurement
@@ -52,10 +62,7 @@ def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
     # package: "DeepGEMM backend is unavailable" on the second start (H200,
     # 2026-11-30; tests/test_validation_logs.py has the real log).
     home = home or f"/tmp/home-{name}"
-    os.makedirs(home, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=site, HOME=home, VLLM_CACHE_ROOT=f"{home}/vllm",
-               DG_JIT_CACHE_DIR=f"{home}/cache/deep_gemm", TRITON_CACHE_DIR=f"{home}/triton",
-               **(env_extra or {}))
+    env = server_env(site, home, env_extra)
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
            "--port", str(port), "--served-model-name", SERVED_NAME,
            "--load-format", "dummy", "--seed", "0", "--max-model-len", str(max_model_len),

@@ -237,9 +237,11 @@ def complete_batch(port: int, prompts: list[list[int]], max_tokens: int, timeout
              "text": c["text"]} for c in choices]
 
 
-def run_mode_requests(port: int, prompts: dict[str, list[list[int]]], max_tokens: int) -> dict:
-    sequential = [complete_batch(port, [p], max_tokens)[0] for p in prompts["sequential"]]
-    return {"sequential": sequential, "concurrent": complete_batch(port, prompts["concurrent"], max_tokens)}
+def run_mode_requests(port: int, prompts: dict[str, list[list[int]]], max_tokens: int,
+                      timeout: float = 900) -> dict:
+    """`timeout`: seconds each request may take (the cluster harness bounds it by its call's deadline)."""
+    sequential = [complete_batch(port, [p], max_tokens, timeout)[0] for p in prompts["sequential"]]
+    return {"sequential": sequential, "concurrent": complete_batch(port, prompts["concurrent"], max_tokens, timeout)}
 
 
 # -- what the server logged ---------------------------------------------------------------------

@@ -9,7 +9,8 @@ wheel it pins (sha256 checked), the serving dependencies the H200's Python lacks
 (docs/validation/h200-serving-wheels.txt: the list for vLLM 0.24.0, established on
 the H200's torch 2.11.0), b12x with the CuTe DSL at the versions the base's sm120
 lock pins (for the b12x metadata check), and the base's pip CUDA toolkit (its
-[vllm."X.Y.Z".cuda] pins, for the toolchain check).
+[vllm."X.Y.Z".cuda] pins, for the toolchain check), and Ray at the recipe's [cluster]
+pin (for the two-GPU cluster proof; its own dependencies are already on the H200).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def requirements(recipe: Recipe) -> list[str]:
                if line.strip() and not line.startswith("#")]
     pins = lock.parse_lock(lock.target_lock(recipe, recipe.targets["sm120"], "amd64").read_text())
     return (serving + [f"{name}=={pins[name].version}" for name in FROM_SM120_LOCK]
-            + list(recipe.cuda_toolkit))
+            + list(recipe.cuda_toolkit) + list(recipe.cluster_packages))
 
 
 def download(into: Path, recipe: Recipe) -> list[Path]:
