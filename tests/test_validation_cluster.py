@@ -224,7 +224,7 @@ def test_node_and_server_environments_carry_address_interfaces_tag_and_the_safet
 def test_server_env_puts_the_build_first_and_gives_it_its_own_caches(tmp_path):
     env = serving.server_env("/tmp/site-x", str(tmp_path / "home"), {"CUDA_VISIBLE_DEVICES": "1"})
     assert env["PYTHONPATH"] == "/tmp/site-x" and env["HOME"] == str(tmp_path / "home")
-    assert env["DG_JIT_CACHE_DIR"] == f"{tmp_path / 'home'}/cache/deep_gemm"
+    assert env["DG_JIT_CACHE_DIR"] == f"{tmp_path / 'home'}/.cache/deep_gemm"
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and (tmp_path / "home").is_dir()
 
 

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .. import tiny_model
+from ..compile_caches import cache_env
 from ..memory_plan import BACKENDS
 from ..recipe import Recipe, load_recipe
 from ..serving_recipes import (
@@ -253,13 +254,10 @@ def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, s
     if port_accepts(port):
         raise PortBusy(f"port {port} already accepts connections before {run.name}'s server is started: another "
                        f"server (one left running by an earlier call?) would answer for it; stop it or pass --port")
-    # Compile caches (DeepGEMM, Triton, vLLM) per run, outside the results, from empty each run.
-    # The server runs in HOME with `python -m`, so HOME is on its sys.path: the DeepGEMM JIT cache
-    # must not be HOME/deep_gemm, which `import deep_gemm` would find as an empty namespace
-    # package (vLLM then reports "DeepGEMM backend is unavailable").
+    # Compile caches per run, laid out as the image's (compile_caches.py), outside the results,
+    # from empty each run.
     home = fresh_home(work / f"home-{run.name}")
-    env = {**os.environ, **run.env, "HOME": str(home), "VLLM_CACHE_ROOT": str(home / "vllm"),
-           "DG_JIT_CACHE_DIR": str(home / "cache" / "deep_gemm"), "TRITON_CACHE_DIR": str(home / "triton")}
+    env = {**os.environ, **run.env, "HOME": str(home), **cache_env(str(home))}
     if site:
         env["PYTHONPATH"] = site
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *args]

@@ -30,6 +30,8 @@ import time
 import urllib.error
 import urllib.request
 
+from dsa_image.compile_caches import cache_env
+
 SERVED_NAME = "glm-5"
 PROMPT_LENGTHS = (20, 300, 2049, 3000, 5000, 7000)
 MAX_TOKENS = 24
@@ -47,20 +49,14 @@ def server_env(site: str, home: str, env_extra: dict | None = None) -> dict:
     its own HOME and compile caches (the cluster harness starts Ray nodes with it too: Ray
     workers inherit the environment of `ray start`). Creates HOME."""
     os.makedirs(home, exist_ok=True)
-    return dict(os.environ, PYTHONPATH=site, HOME=home, VLLM_CACHE_ROOT=f"{home}/vllm",
-                DG_JIT_CACHE_DIR=f"{home}/cache/deep_gemm", TRITON_CACHE_DIR=f"{home}/triton",
-                **(env_extra or {}))
+    return {**os.environ, "PYTHONPATH": site, "HOME": home, **cache_env(home), **(env_extra or {})}
 
 
 def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
                  max_model_len=8192, python=None, env_extra=None):
-    # A HOME (compile caches) each; the benchmark and the warm-start measurement
-    # pass their own HOME to keep (or empty) one server's caches across starts.
-    # The DeepGEMM cache must not be HOME/deep_gemm: `python -m` puts the cwd
-    # (HOME) first on sys.path, vLLM tries `import deep_gemm` before its bundled
-    # copy, and an existing HOME/deep_gemm directory imports as an empty namespace
-    # package: "DeepGEMM backend is unavailable" on the second start (H200,
-    # 2026-11-30; tests/test_validation_logs.py has the real log).
+    # A HOME (its compile caches laid out as the image's: dsa_image/compile_caches.py) each; the
+    # benchmark and the warm-start measurement pass their own HOME to keep (or empty) one
+    # server's caches across starts.
     home = home or f"/tmp/home-{name}"
     env = server_env(site, home, env_extra)
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
