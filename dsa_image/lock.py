@@ -350,11 +350,54 @@ def parse_lock(text: str) -> dict[str, Pin]:
     return pins
 
 
+_VIA_ONE = re.compile(r"^\s+# via (\S.*)$")
+_VIA_OPEN = re.compile(r"^\s+# via\s*$")
+_VIA_MORE = re.compile(r"^\s+#   (\S.*)$")
+
+
+def parse_via(text: str) -> dict[str, frozenset[str]]:
+    """{normalized name: the normalized names that require it} from the `# via` comments uv
+    writes under each pin (`# via a`, or `# via` then one `#   a` per line). Requirement files
+    (`-r ...`, `-c ...`) are not packages and are left out."""
+    via: dict[str, set[str]] = {}
+    name = None
+    listing = False
+    for line in text.splitlines():
+        requirement = _REQUIREMENT_LINE.match(line)
+        if requirement:
+            name, listing = normalize(requirement.group(1)), False
+            via[name] = set()
+            continue
+        one, more = _VIA_ONE.match(line), _VIA_MORE.match(line)
+        if name is None:
+            continue
+        if _VIA_OPEN.match(line):
+            listing = True
+        elif one or (listing and more):
+            parent = (one or more).group(1).strip()
+            if not parent.startswith("-"):
+                via[name].add(normalize(parent))
+    return {n: frozenset(parents) for n, parents in via.items()}
+
+
+def requirements_of(via: dict[str, frozenset[str]], root: str) -> set[str]:
+    """Every pin that `root` requires, directly or through other pins (not `root` itself)."""
+    found: set[str] = set()
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        for name, parents in via.items():
+            if parent in parents and name not in found and name != root:
+                found.add(name)
+                frontier.append(name)
+    return found
+
+
 def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _split_pin(pin: str) -> tuple[str, str]:
+def split_pin(pin: str) -> tuple[str, str]:
     name, _, version = pin.partition("==")
     return normalize(name), version
 
@@ -364,7 +407,7 @@ def expected_locks(recipe: Recipe) -> list[Path]:
 
 
 def _expect_pin(pins: dict[str, Pin], pin: str, where: Path) -> list[str]:
-    name, version = _split_pin(pin)
+    name, version = split_pin(pin)
     found = pins.get(name)
     if found is None:
         return [f"{where}: {pin} from the recipe is missing"]
@@ -592,7 +635,7 @@ def lock_problems(recipe: Recipe, root: Path = REPO_ROOT) -> list[str]:
         scans[path], syntax = scan_lock(text, path, regenerate)
         problems += syntax
     problems += _sums_problems(expected, list(locks), root, regenerate)
-    torch_pins = {o for t in recipe.targets.values() for o in t.overrides if _split_pin(o)[0] == "torch"}
+    torch_pins = {o for t in recipe.targets.values() for o in t.overrides if split_pin(o)[0] == "torch"}
     for platform in recipe.platforms:
         arch = ARCH_OF_PLATFORM[platform]
         common_path = common_lock(recipe, arch)

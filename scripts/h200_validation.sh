@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# The H200 validation run of the overlay against stock vLLM 0.24.0, in two phases
-# (each fits one 10-minute device call; /tmp carries state between them):
+# The H200 validation run of the overlay against stock vLLM, for one base (a vLLM release of the
+# recipe: VLLM=X.Y.Z, default the recipe's default), in phases (each fits one 10-minute device
+# call; /tmp (WORK_ROOT) carries state between them, per base: /tmp/stage-X.Y.Z,
+# /tmp/wheels-X.Y.Z, /tmp/site-stock-X.Y.Z, /tmp/site-overlay-X.Y.Z, /tmp/results-X.Y.Z):
 #
-#   install  reassemble the staged wheels, install stock vLLM 0.24.0 into
-#            /tmp/site-stock, copy it to /tmp/site-overlay and apply our overlay
-#            there with our tool, verify, make the tiny GLM-5; then run the
-#            indexer metadata probe on both (equivalence, syncs,
-#            block-table width, b12x metadata path) and compare.
+#   paths    print the base and the paths above, change nothing (no GPU needed).
+#   receive  move the parts this call carried into /tmp/stage-X.Y.Z, check each against
+#            SHA256SUMS, say how many of how many are there (no GPU needed).
+#   inventory  record the H200's `pip list` (h200-pip-freeze.txt) and check it against the
+#            environment derived from the 0.24.0 runs, and that the staged bundle and the H200
+#            together hold every pin of the base (dsa_image/validation/stage.py); exit 1 says
+#            what to stage. The first call of a session, with the first part.
+#   install  reassemble the staged wheels, install stock vLLM into the stock site, copy it to
+#            the overlay site and apply the base's overlay there with our tool, verify, check
+#            which torch and CUDA libraries the site loads (torch_libs), make the tiny GLM-5;
+#            then run the indexer metadata probe on both (equivalence, syncs, block-table
+#            width, b12x metadata path) and compare.
 #   prepare  the install phase without the probes (to serve on a fresh machine).
 #   hosttime build() host time, stock and overlay interleaved in one process.
 #   toolchain the smoke test with the image's pip CUDA toolkit as the only toolkit.
@@ -32,86 +41,205 @@
 #            (mp-tp2, mp-pp2, ray1-tp2, ray2-tp2, ray2-pp2; waves separated by spaces, `+`
 #            for layouts started together, LAYOUT@shared for the IndexError control): health,
 #            Ray nodes and where the workers ran, tokens; then the comparison over every run in
-#            /tmp/results/cluster (cluster.json, cluster.md). CLUSTER_DEADLINE_S (default 540)
+#            the results' cluster/ (cluster.json, cluster.md). CLUSTER_DEADLINE_S (default 540)
 #            bounds the phase; CLUSTER_ARGS adds options of `cluster run` (e.g. --timeout,
 #            --gpu-memory-utilization). Needs the prepare phase (with Ray) first.
 #
-# Wheels arrive split (scripts/stage_h200_wheels.py) in /tmp/stage. Results go
-# to $OUT (as one tarball plus the summaries: $OUT keeps at most 8 files).
-# Usage: bash scripts/h200_validation.sh PHASE (one of the above)
+# Wheels: `python3 scripts/stage_h200_wheels.py --vllm X.Y.Z` here writes .stage/vllm-X.Y.Z/
+# (bundle.tar.partNN, SHA256SUMS, selection.txt); one device call per part, carrying that part
+# (and SHA256SUMS + selection.txt with the first), each running
+#   VLLM=X.Y.Z bash scripts/h200_validation.sh receive
+# A base whose torch is not the H200's (0.33.0: torch 2.14.0) brings torch and its CUDA
+# libraries in the bundle; the site comes first on PYTHONPATH, so they shadow the H200's
+# (install checks that they do). Results go to $OUT (the summaries, and one tarball).
+#
+# The vLLM 0.33.0 proof in one session, 70 calls, about 1,240 of its 1,800 device seconds
+# (docs/validation/README.md has the table; seconds measured on 0.24.0 unless marked ~):
+#   python3 scripts/stage_h200_wheels.py --vllm 0.33.0   # here: 113 wheels, 3,968 MB, 67 parts
+#   call 1   carry part00 + SHA256SUMS + selection.txt: VLLM=0.33.0 bash scripts/h200_validation.sh receive &&
+#            VLLM=0.33.0 bash scripts/h200_validation.sh inventory                        ~20 s
+#   2-67     carry part01..part66, one each: VLLM=0.33.0 bash scripts/h200_validation.sh receive   ~7 s each
+#   68       VLLM=0.33.0 bash scripts/h200_validation.sh install &&
+#            VLLM=0.33.0 bash scripts/h200_validation.sh hosttime                         ~320 s (167)
+#   69       VLLM=0.33.0 bash scripts/h200_validation.sh serve                            248 s
+#   70       VLLM=0.33.0 bash scripts/h200_validation.sh smoke                            191 s
+#   then, while time lasts: selftest, b12x, toolchain (207 s).
+#
+# Usage: [VLLM=X.Y.Z] bash scripts/h200_validation.sh PHASE (one of the above)
 set -uo pipefail
-phase=${1:?usage: h200_validation.sh prepare|install|serve|hosttime|toolchain|smoke|mtp|longctx|deploy|warmstart|bench|b12x|selftest|b12xserve|cluster}
+phase=${1:?usage: [VLLM=X.Y.Z] h200_validation.sh paths|receive|inventory|prepare|install|serve|hosttime|toolchain|smoke|mtp|longctx|deploy|warmstart|bench|b12x|selftest|b12xserve|cluster}
 repo=$(cd "$(dirname "$0")/.." && pwd)
+vllm=${VLLM:-$(python3 "$repo/scripts/recipe.py" get vllm.default)} || exit 2
+python3 "$repo/scripts/recipe.py" get --vllm "$vllm" vllm.version > /dev/null || {
+  echo "VLLM=$vllm: expected one of the recipe's bases: $(python3 "$repo/scripts/recipe.py" get vllm.versions | paste -sd' ')" >&2
+  exit 2
+}
+# Everything a base installs or writes is named after it: two bases can share a machine.
+root=${WORK_ROOT:-/tmp}
+stage=$root/stage-$vllm
+wheels=$root/wheels-$vllm
+site_stock=$root/site-stock-$vllm
+site_overlay=$root/site-overlay-$vllm
+model=$root/tiny-glm5  # written from the repository alone: the same for every base
+cuda_pip=$root/cuda-pip-$vllm toolchain_home=$root/home-toolchain-$vllm
+bench_work=$root/bench-work-$vllm warmstart_homes=$root/warmstart-homes-$vllm
+manifest=$repo/overlay/vllm-$vllm/manifest.json
 out=${OUT:-/tmp/out}
-results=${RESULTS_DIR:-/tmp/results}
+results=${RESULTS_DIR:-$root/results-$vllm}
+if [ "$phase" = paths ]; then
+  printf '%s=%s\n' vllm "$vllm" stage "$stage" wheels "$wheels" site_stock "$site_stock" \
+    site_overlay "$site_overlay" model "$model" manifest "$manifest" results "$results"
+  exit 0
+fi
 mkdir -p "$results" "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export VLLM_DISABLE_COMPILE_CACHE=1
 
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
+# pip --target does not run .pth files: the CuTe DSL (for b12x) is put on the path by hand;
+# its package directory is python_packages in 4.5.x (vLLM 0.24.0) and dsl_packages in 4.8.x.
+cute_dsl() {
+  local d
+  for d in "$1"/nvidia_cutlass_dsl/python_packages "$1"/nvidia_cutlass_dsl/dsl_packages; do
+    [ -d "$d" ] && { echo "$d"; return 0; }
+  done
+  echo "$1/nvidia_cutlass_dsl: expected python_packages/ or dsl_packages/ (the CuTe DSL's wheels)" >&2
+  return 1
+}
+
 environment() {
   {
     date -u +%Y-%m-%dT%H:%M:%SZ
     nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv,noheader
-    python3 -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
+    echo "vLLM base $vllm; sites $site_stock, $site_overlay"
+    # What the runs import: the stock site first on PYTHONPATH (its torch, where it has one).
+    (cd /tmp && PYTHONPATH="$site_stock" python3 -c 'import sys, torch, triton
+print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "torch from", torch.__file__)')
     # The device's copy of the repository carries no reliable git state: name the overlay
     # by its manifest (which hashes every overlaid file).
-    echo "overlay manifest sha256 $(sha256sum "$repo/overlay/vllm-0.24.0/manifest.json" | cut -d' ' -f1)"
+    echo "overlay manifest sha256 $(sha256sum "$manifest" | cut -d' ' -f1)"
   } > "$results/environment.txt" 2>&1
   cat "$results/environment.txt"
 }
 
+# The H200's own packages (its venv, no site on the path), and what they mean for this base.
+inventory() {
+  log "inventory: the H200's Python against vLLM $vllm's locks and the staged bundle"
+  env -u PYTHONPATH python3 -m pip list --format=freeze > "$results/h200-pip-freeze.txt" || exit 1
+  cp "$results/h200-pip-freeze.txt" "$out/"
+  local staged=()
+  [ -f "$stage/selection.txt" ] && staged=(--staged "$stage/selection.txt")
+  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.stage --vllm "$vllm" \
+    --check-freeze "$results/h200-pip-freeze.txt" ${staged[@]+"${staged[@]}"}) > "$results/inventory.txt" 2>&1
+  local status=$?
+  cat "$results/inventory.txt"
+  cp "$results/inventory.txt" "$out/"
+  return $status
+}
+
+# What this call carried (.stage/vllm-X.Y.Z/ of the device's copy of the repository) moves to
+# the stage directory: moved, not copied, so a part is not copied again by every later call.
+# Each part is checked as it arrives; the count says how many are still to come.
+receive() {
+  local from="$repo/.stage/vllm-$vllm" total here
+  mkdir -p "$stage"
+  if compgen -G "$from/*" > /dev/null; then mv "$from"/* "$stage"/ || exit 1; fi
+  [ -f "$stage/SHA256SUMS" ] || {
+    echo "receive: expected $stage/SHA256SUMS; carry .stage/vllm-$vllm/SHA256SUMS and selection.txt" \
+      "(with the first part)" >&2
+    exit 1
+  }
+  (cd "$stage" && sha256sum --quiet --ignore-missing -c SHA256SUMS) || {
+    echo "receive: a part differs from SHA256SUMS (above); carry it again" >&2
+    exit 1
+  }
+  total=$(grep -c 'bundle\.tar\.part' "$stage/SHA256SUMS")
+  here=$(find "$stage" -maxdepth 1 -name 'bundle.tar.part*' | wc -l)
+  log "received: $here of $total parts in $stage"
+}
+
+# The parts, then the bundle, are removed once used: a 4 GB bundle is on disk once at a time.
+# A second install of the same base on this machine reuses the unpacked wheels.
+unpack() {
+  [ -f "$wheels/.complete" ] && return 0
+  log "reassembling the staged wheels in $stage"
+  (cd "$stage" && cat bundle.tar.part* > bundle.tar && sha256sum -c SHA256SUMS) || {
+    echo "expected every part of \`python3 scripts/stage_h200_wheels.py --vllm $vllm\` in $stage" \
+      "(SHA256SUMS and selection.txt with them); carry the missing ones" >&2
+    exit 1
+  }
+  rm -f "$stage"/bundle.tar.part*
+  rm -rf "$wheels" && mkdir -p "$wheels" && tar -xf "$stage/bundle.tar" -C "$wheels" || exit 1
+  rm -f "$stage/bundle.tar"
+  touch "$wheels/.complete"
+}
+
 install() {
-  log "reassembling wheels"
-  mkdir -p /tmp/wheels
-  (cd /tmp/stage && cat bundle.tar.part* > bundle.tar && sha256sum -c SHA256SUMS) || exit 1
-  tar -xf /tmp/stage/bundle.tar -C /tmp/wheels
-  log "installing stock vLLM into /tmp/site-stock"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-stock /tmp/wheels/*.whl \
+  unpack
+  log "installing stock vLLM $vllm into $site_stock"
+  rm -rf "$site_stock" "$site_overlay"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site_stock" "$wheels"/*.whl \
     > "$results/pip-install.log" 2>&1 || { tail -20 "$results/pip-install.log"; exit 1; }
-  cp -a /tmp/site-stock /tmp/site-overlay
+  torch_libs
+  cp -a "$site_stock" "$site_overlay"
   log "applying the overlay with our tool"
-  python3 "$repo/scripts/overlay.py" apply --vllm 0.24.0 --site-packages /tmp/site-overlay \
-    2>&1 | tee "$results/overlay-apply.log" || exit 1
-  cp /tmp/site-overlay/vllm_overlay_receipt.json "$results/"
-  (cd /tmp && PYTHONPATH=/tmp/site-overlay python3 "$repo/scripts/overlay.py" verify --vllm 0.24.0 \
-    --site-packages /tmp/site-overlay) 2>&1 | tee "$results/overlay-verify.log" || exit 1
-  python3 "$repo/scripts/make_tiny_model.py" /tmp/tiny-glm5 > /dev/null
+  python3 "$repo/scripts/overlay.py" apply --vllm "$vllm" --site-packages "$site_overlay" \
+    2>&1 | tee "$results/overlay-apply.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+  cp "$site_overlay/vllm_overlay_receipt.json" "$results/"
+  (cd /tmp && PYTHONPATH="$site_overlay" python3 "$repo/scripts/overlay.py" verify --vllm "$vllm" \
+    --site-packages "$site_overlay") 2>&1 | tee "$results/overlay-verify.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+  [ -d "$model" ] || python3 "$repo/scripts/make_tiny_model.py" "$model" > /dev/null || exit 1
+}
+
+# Which torch and which CUDA libraries the site really loads (a base with its own torch must
+# shadow the H200's torch 2.11.0 and its CUDA libraries entirely).
+torch_libs() {
+  log "torch and its CUDA libraries as $site_stock loads them"
+  (cd /tmp && PYTHONPATH="$site_stock:$repo" python3 -m dsa_image.validation.torch_libs --vllm "$vllm" \
+    --site "$site_stock") > "$results/torch-libs.txt" 2>&1
+  local status=$?
+  cat "$results/torch-libs.txt"
+  [ $status -eq 0 ] || exit 1
 }
 
 probes() {
+  local dsl
+  dsl=$(cute_dsl "$site_overlay") || exit 1
   log "indexer probe: stock"
-  (cd /tmp && PYTHONPATH="/tmp/site-stock:$repo" python3 -m dsa_image.validation.indexer_probe \
-    --model /tmp/tiny-glm5 --out "$results/probe-stock.pt") > "$results/probe-stock.log" 2>&1
+  (cd /tmp && PYTHONPATH="$site_stock:$repo" python3 -m dsa_image.validation.indexer_probe \
+    --model "$model" --out "$results/probe-stock.pt") > "$results/probe-stock.log" 2>&1
   tail -5 "$results/probe-stock.log"
   log "indexer probe: overlay"
-  # pip --target does not run .pth files: cutlass (for b12x) is put on the path by hand.
-  (cd /tmp && PYTHONPATH="/tmp/site-overlay:/tmp/site-overlay/nvidia_cutlass_dsl/python_packages:$repo" \
+  (cd /tmp && PYTHONPATH="$site_overlay:$dsl:$repo" \
     python3 -m dsa_image.validation.indexer_probe \
-    --model /tmp/tiny-glm5 --out "$results/probe-overlay.pt" --overlay-checks) \
+    --model "$model" --out "$results/probe-overlay.pt" --overlay-checks) \
     > "$results/probe-overlay.log" 2>&1
   tail -5 "$results/probe-overlay.log"
-  (cd /tmp && PYTHONPATH="/tmp/site-overlay:$repo" python3 -m dsa_image.validation.compare \
+  (cd /tmp && PYTHONPATH="$site_overlay:$repo" python3 -m dsa_image.validation.compare \
     "$results/probe-stock.pt" "$results/probe-overlay.pt" --json "$results/metadata-equivalence.json") \
     2>&1 | tee "$results/metadata-equivalence.txt"
 }
 
 serve() {
   log "serving equivalence: stock, stock, overlay, side by side"
-  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving --model /tmp/tiny-glm5 \
-    --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay --out "$results/serving" --timeout 420) \
+  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving --model "$model" \
+    --stock-site "$site_stock" --overlay-site "$site_overlay" --out "$results/serving" --timeout 420) \
     > "$results/serving.log" 2>&1
   echo "serving exit: $?" | tee -a "$results/serving.log"
   tail -40 "$results/serving.log"
 }
 
 hosttime() {
+  local dsl
+  dsl=$(cute_dsl "$site_overlay") || exit 1
   log "host time of build(): stock and overlay in one process, interleaved"
-  (cd /tmp && PYTHONPATH="/tmp/site-overlay:/tmp/site-overlay/nvidia_cutlass_dsl/python_packages:$repo" \
+  (cd /tmp && PYTHONPATH="$site_overlay:$dsl:$repo" \
     python3 -m dsa_image.validation.host_time --overlay-checks \
-    --model /tmp/tiny-glm5 --json "$results/host-time.json" \
-    --stock-indexer /tmp/site-stock/vllm/v1/attention/backends/mla/indexer.py) \
+    --model "$model" --json "$results/host-time.json" \
+    --stock-indexer "$site_stock"/vllm/v1/attention/backends/mla/indexer.py) \
     2>&1 | tee "$results/host-time.log" | grep -v "^INFO\|WARNING"
   cp "$results/host-time.json" "$out/"
 }
@@ -122,31 +250,34 @@ toolchain() {
   # there, the system CUDA off PATH, empty JIT caches, so DeepGEMM and FlashInfer compile
   # every kernel with it.
   log "toolchain: the image's pip CUDA toolkit under the smoke test"
-  rm -rf /tmp/cuda-pip /tmp/home-toolchain
+  rm -rf "$cuda_pip" "$toolchain_home"
+  # The CUDA home is the toolkit's NVIDIA wheels; the base's other toolkit pins (cuda-python,
+  # a binding pinned for the resolver) are not part of it, and may be the H200's own (unstaged).
   # shellcheck disable=SC2046  # split on purpose: one wheel glob per recipe pin
-  python3 -m pip install -q --no-index --no-deps --target /tmp/cuda-pip \
-    $(python3 "$repo/scripts/recipe.py" get cuda.toolkit | sed 's/==.*//; s/-/_/g; s#^#/tmp/wheels/#; s#$#-*.whl#') || exit 1
-  local cuda_home=/tmp/cuda-pip/nvidia/cu13
+  python3 -m pip install -q --no-index --no-deps --target "$cuda_pip" \
+    $(python3 "$repo/scripts/recipe.py" get --vllm "$vllm" cuda.toolkit | grep '^nvidia-' \
+      | sed 's/==.*//; s/-/_/g; s#^#'"$wheels"'/#; s#$#-*.whl#') || exit 1
+  local cuda_home="$cuda_pip/nvidia/cu13"
   bash "$repo/scripts/link_cuda_toolkit.sh" "$cuda_home" "$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')" || exit 1
   "$cuda_home/bin/nvcc" --version | tee "$results/toolchain-nvcc.txt"
-  mkdir -p /tmp/home-toolchain
-  (cd /tmp && HOME=/tmp/home-toolchain CUDA_HOME="$cuda_home" \
+  mkdir -p "$toolchain_home"
+  (cd /tmp && HOME="$toolchain_home" CUDA_HOME="$cuda_home" \
     PATH="$cuda_home/bin:$(echo "$PATH" | tr ':' '\n' | grep -v cuda | paste -sd:)" \
-    DG_JIT_CACHE_DIR=/tmp/home-toolchain/deep_gemm DG_JIT_PRINT_COMPILER_COMMAND=1 \
+    DG_JIT_CACHE_DIR="$toolchain_home/deep_gemm" DG_JIT_PRINT_COMPILER_COMMAND=1 \
     python3 "$repo/scripts/smoke.py" --runtime local \
-    --python python3 --site-packages /tmp/site-overlay --target sm90 --out "$results/toolchain" --quiet \
+    --python python3 --site-packages "$site_overlay" --target sm90 --out "$results/toolchain" --quiet \
     -- --enforce-eager --gpu-memory-utilization 0.12) > "$results/toolchain.log" 2>&1
   echo "toolchain smoke exit: $?" | tee -a "$results/toolchain.log"
   # Which compiler built the kernels: DeepGEMM prints each command (DG_JIT_PRINT_COMPILER_COMMAND).
   grep -o '[^ ]*/nvcc ' "$results/toolchain/server.log" | sort | uniq -c | tee "$results/toolchain-compilers.txt"
-  ls -R /tmp/home-toolchain/deep_gemm 2>/dev/null | head -20 | tee -a "$results/toolchain.log"
+  ls -R "$toolchain_home/deep_gemm" 2>/dev/null | head -20 | tee -a "$results/toolchain.log"
   tail -15 "$results/toolchain.log"
 }
 
 smoke() {
   log "smoke test, local runtime, overlay"
   (cd /tmp && python3 "$repo/scripts/smoke.py" --runtime local --python python3 \
-    --site-packages /tmp/site-overlay --target sm90 --out "$results/smoke" --quiet \
+    --site-packages "$site_overlay" --target sm90 --out "$results/smoke" --quiet \
     -- --enforce-eager --gpu-memory-utilization 0.12) > "$results/smoke.log" 2>&1
   echo "smoke exit: $?" | tee -a "$results/smoke.log"
   tail -30 "$results/smoke.log"
@@ -154,9 +285,9 @@ smoke() {
 
 # The tiny GLM-5 with its MTP layer, for the MTP modes and the MTP benchmark.
 mtp_model() {
-  [ -d /tmp/tiny-glm5-mtp ] || PYTHONPATH="$repo" python3 -c 'import sys; from pathlib import Path
+  [ -d "$model-mtp" ] || PYTHONPATH="$repo" python3 -c 'import sys; from pathlib import Path
 from dsa_image.tiny_model import MTP_CONFIG, write_model
-write_model(Path(sys.argv[1]), MTP_CONFIG)' /tmp/tiny-glm5-mtp || exit 1
+write_model(Path(sys.argv[1]), MTP_CONFIG)' "$model-mtp" || exit 1
 }
 
 # mtp, longctx, deploy: four servers each (two modes), started together; CUDA graphs on.
@@ -165,8 +296,8 @@ modes() {
   log "serving modes $list: stock vs overlay, side by side"
   mtp_model
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving_modes --modes "$list" \
-    --model /tmp/tiny-glm5 --mtp-model /tmp/tiny-glm5-mtp \
-    --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay --out "$results/$name" --timeout 480) \
+    --model "$model" --mtp-model "$model-mtp" \
+    --stock-site "$site_stock" --overlay-site "$site_overlay" --out "$results/$name" --timeout 480) \
     > "$results/$name.log" 2>&1
   echo "$name exit: $?" | tee -a "$results/$name.log"
   grep -E "PASS|FAIL|error" "$results/$name.log" | tail -20
@@ -179,8 +310,8 @@ warmstart() {
   local steps=${WARMSTART_STEPS:-cold,warm-warmup}
   log "warm start: steps $steps, stock and overlay side by side"
   (cd /tmp && env -u VLLM_DISABLE_COMPILE_CACHE PYTHONPATH="$repo" python3 -m dsa_image.validation.warmstart \
-    --model /tmp/tiny-glm5 --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay \
-    --out "$results/warmstart" --work-dir /tmp/warmstart-homes --steps "$steps") \
+    --model "$model" --stock-site "$site_stock" --overlay-site "$site_overlay" \
+    --out "$results/warmstart" --work-dir "$warmstart_homes" --steps "$steps") \
     > "$results/warmstart-$steps.log" 2>&1
   echo "warmstart exit: $?" | tee -a "$results/warmstart-$steps.log"
   tail -12 "$results/warmstart-$steps.log"
@@ -188,15 +319,15 @@ warmstart() {
 }
 
 # BENCH_ARGS picks workloads and round counts (scripts/bench.py plan shows them); the servers'
-# HOMEs stay in /tmp/bench-work, so a second call of the same group starts warm.
+# HOMEs stay in $bench_work, so a second call of the same group starts warm.
 bench() {
   local label=${BENCH_LABEL:-bench}
   log "benchmark $label: ${BENCH_ARGS:-all workloads}"
   mtp_model
   # shellcheck disable=SC2086  # BENCH_ARGS is split on purpose
   (cd /tmp && env -u VLLM_DISABLE_COMPILE_CACHE python3 "$repo/scripts/bench.py" run \
-    --a-site /tmp/site-stock --b-site /tmp/site-overlay --a-name stock --b-name overlay \
-    --model /tmp/tiny-glm5 --mtp-model /tmp/tiny-glm5-mtp --work-dir /tmp/bench-work \
+    --a-site "$site_stock" --b-site "$site_overlay" --a-name stock --b-name overlay \
+    --model "$model" --mtp-model "$model-mtp" --work-dir "$bench_work" \
     --out "$results/$label" --deadline-s "${BENCH_DEADLINE_S:-520}" ${BENCH_ARGS:-}) \
     > "$results/$label.log" 2>&1
   echo "bench exit: $?" | tee -a "$results/$label.log"
@@ -208,8 +339,8 @@ bench() {
 # installed in the site (the overlay's start-up check reads its release).
 b12x() {
   log "b12x path, emulated kernels: glue exactness and cross-checks"
-  (cd /tmp && PYTHONPATH="$repo/emulation:/tmp/site-overlay:$repo" python3 -m dsa_image.validation.b12x_glue \
-    --model /tmp/tiny-glm5 --json "$results/b12x-glue.json") > "$results/b12x-glue.log" 2>&1
+  (cd /tmp && PYTHONPATH="$repo/emulation:$site_overlay:$repo" python3 -m dsa_image.validation.b12x_glue \
+    --model "$model" --json "$results/b12x-glue.json" --vllm "$vllm") > "$results/b12x-glue.log" 2>&1
   echo "b12x glue exit: $?" | tee -a "$results/b12x-glue.log"
   grep -v "compute-capability check bypassed\|^INFO\|^WARNING\|^DEBUG" "$results/b12x-glue.log" | tail -70
   cp "$results/b12x-glue.json" "$out/"
@@ -220,7 +351,7 @@ selftest() {
   local step
   for step in "auto:" "refusal:--kernels b12x" "broken:--break prefill-long"; do
     # shellcheck disable=SC2086  # the step's arguments are split on purpose
-    (cd /tmp && PYTHONPATH="/tmp/site-overlay:$repo" python3 -m dsa_image.selftest ${step#*:} \
+    (cd /tmp && PYTHONPATH="$site_overlay:$repo" python3 -m dsa_image.selftest ${step#*:} \
       --json "$results/selftest-${step%%:*}.json") > "$results/selftest-${step%%:*}.txt" 2>&1
     echo "selftest ${step%%:*} exit: $?" | tee -a "$results/selftest-${step%%:*}.txt"
     grep -v "^INFO\|^WARNING\|^DEBUG" "$results/selftest-${step%%:*}.txt" | tail -12
@@ -230,9 +361,9 @@ selftest() {
 
 b12xserve() {
   log "serving on the emulated b12x path beside stock, CUDA graphs on"
-  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.b12x_serving --model /tmp/tiny-glm5 \
-    --stock-site /tmp/site-stock --overlay-site /tmp/site-overlay --emulation "$repo/emulation" \
-    --repo "$repo" --out "$results/b12xserve" --timeout 480) > "$results/b12xserve.log" 2>&1
+  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.b12x_serving --model "$model" \
+    --stock-site "$site_stock" --overlay-site "$site_overlay" --emulation "$repo/emulation" \
+    --repo "$repo" --out "$results/b12xserve" --timeout 480 --vllm "$vllm") > "$results/b12xserve.log" 2>&1
   echo "b12xserve exit: $?" | tee -a "$results/b12xserve.log"
   tail -60 "$results/b12xserve.log"
   cp "$results/b12xserve/serving-b12x.json" "$out/" 2>/dev/null
@@ -245,15 +376,15 @@ cluster_inputs() {
       "python3 -m dsa_image.validation.cluster plan --layouts ... prints what each starts" >&2
     exit 2
   }
-  local root=${CLUSTER_SITES_ROOT:-/tmp} missing=() f
-  for f in "$root/site-stock/vllm/__init__.py" "$root/site-stock/ray/__init__.py" \
-           "$root/site-overlay/vllm_overlay_receipt.json" "$root/site-overlay/ray/__init__.py" \
-           "$root/tiny-glm5/config.json"; do
+  local missing=() f
+  for f in "$site_stock/vllm/__init__.py" "$site_stock/ray/__init__.py" \
+           "$site_overlay/vllm_overlay_receipt.json" "$site_overlay/ray/__init__.py" \
+           "$model/config.json"; do
     [ -e "$f" ] || missing+=("$f")
   done
   if [ ${#missing[@]} -gt 0 ]; then
-    echo "cluster: expected stock vLLM and Ray in $root/site-stock, the overlaid copy in $root/site-overlay" \
-      "and the tiny GLM-5 in $root/tiny-glm5; missing: ${missing[*]}; run the prepare phase first" \
+    echo "cluster: expected stock vLLM $vllm and Ray in $site_stock, the overlaid copy in $site_overlay" \
+      "and the tiny GLM-5 in $model; missing: ${missing[*]}; run the prepare phase first" \
       "(its staged wheels must hold Ray, the recipe's [cluster] pin)" >&2
     exit 3
   fi
@@ -262,11 +393,11 @@ cluster_inputs() {
 # Stock and overlay side by side per layout; the harness stops every process and namespace it
 # started (also on SIGTERM); `timeout` guards a hang, `cleanup` catches what a kill left.
 cluster() {
-  local root=${CLUSTER_SITES_ROOT:-/tmp} budget=${CLUSTER_DEADLINE_S:-540} dir="$results/cluster"
+  local budget=${CLUSTER_DEADLINE_S:-540} dir="$results/cluster"
   log "cluster: $CLUSTER_LAYOUTS, stock vs overlay side by side, within $budget s"
   (cd /tmp && PYTHONPATH="$repo" timeout -k 20 $((budget - 20)) python3 -m dsa_image.validation.cluster run \
-    --layouts "$CLUSTER_LAYOUTS" --model "$root/tiny-glm5" --stock-site "$root/site-stock" \
-    --overlay-site "$root/site-overlay" --out "$dir" --deadline-s $((budget - 50)) ${CLUSTER_ARGS:-}) \
+    --layouts "$CLUSTER_LAYOUTS" --model "$model" --stock-site "$site_stock" \
+    --overlay-site "$site_overlay" --out "$dir" --deadline-s $((budget - 50)) ${CLUSTER_ARGS:-}) \
     > "$results/cluster-run.log" 2>&1
   echo "cluster run exit: $?" | tee -a "$results/cluster-run.log"
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.cluster cleanup) >> "$results/cluster-run.log" 2>&1
@@ -285,7 +416,8 @@ cluster() {
 
 collect() {
   for f in metadata-equivalence.json metadata-equivalence.txt serving/serving-equivalence.json \
-           smoke/smoke-report.json toolchain/smoke-report.json toolchain-compilers.txt environment.txt; do
+           smoke/smoke-report.json toolchain/smoke-report.json toolchain-compilers.txt environment.txt \
+           torch-libs.txt; do
     [ -f "$results/$f" ] && cp "$results/$f" "$out/$phase-$(basename "$f")"
   done
   tar -czf "$out/$phase-results.tgz" -C "$results" --exclude='*.pt' . 2>/dev/null
@@ -295,6 +427,8 @@ collect() {
 }
 
 case $phase in
+  receive) receive ;;
+  inventory) environment; inventory ;;
   install) environment; install; probes; collect ;;
   prepare) environment; install; collect ;;
   hosttime) hosttime ;;

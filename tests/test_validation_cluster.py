@@ -505,7 +505,7 @@ def test_the_shell_phase_parses_and_refuses_to_run_without_its_inputs(tmp_path):
     script = REPO / "scripts" / "h200_validation.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     env = {**os.environ, "OUT": str(tmp_path / "out"), "RESULTS_DIR": str(tmp_path / "results"),
-           "CLUSTER_SITES_ROOT": str(tmp_path), "CLUSTER_LAYOUTS": "mp-tp2"}
+           "WORK_ROOT": str(tmp_path), "CLUSTER_LAYOUTS": "mp-tp2"}
     done = subprocess.run(["bash", str(script), "cluster"], env=env, capture_output=True, text=True, check=False,
                           timeout=60)
     assert done.returncode == 3

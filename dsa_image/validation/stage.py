@@ -1,16 +1,25 @@
-"""Stage the wheels the H200 validation run installs, split for the device transfer.
+"""Stage the wheels an H200 validation run of one base installs, split for the device transfer.
 
-The device machine has no network, and each call carries at most 64 MiB of the
-repository: the wheels travel as one tarball in parts of 60 MB under ``.stage/``
-(git-ignored), one part per call, and scripts/h200_validation.sh reassembles them.
+The device machine has no network, and each call carries at most 64 MiB of the repository:
+the wheels travel as one tarball in parts of 60 MB under ``.stage/vllm-X.Y.Z/`` (git-ignored),
+one part per call, and scripts/h200_validation.sh reassembles them in /tmp/stage-X.Y.Z.
 
-What goes in, for the base --vllm names (default: the recipe's default): the vLLM
-wheel it pins (sha256 checked), the serving dependencies the H200's Python lacks
-(docs/validation/h200-serving-wheels.txt: the list for vLLM 0.24.0, established on
-the H200's torch 2.11.0), b12x with the CuTe DSL at the versions the base's sm120
-lock pins (for the b12x metadata check), and the base's pip CUDA toolkit (its
-[vllm."X.Y.Z".cuda] pins, for the toolchain check), and Ray at the recipe's [cluster]
-pin (for the two-GPU cluster proof; its own dependencies are already on the H200).
+What the H200 has (`h200_environment`). Its Python 3.12 (torch 2.11.0+cu130, triton 3.6.0,
+transformers ...) served stock vLLM 0.24.0 and the overlay with one bundle installed beside it
+with ``pip install --no-deps --target``: the wheels of docs/validation/h200-serving-wheels.txt
+(the ones the H200 lacked), vLLM, b12x with the CuTe DSL, the pip CUDA toolkit and Ray
+(`brought_by_0_24`). Everything else of the 0.24.0 base's amd64 locks was therefore taken from
+the H200's own environment, at the lock's version (that is what `--no-deps` beside it means).
+That is a derivation from the 0.24.0 runs, not a measurement: a pin the lock has but vLLM 0.24.0
+never imported may be missing there. The `inventory` phase of scripts/h200_validation.sh
+records the real ``pip list`` and checks it (`--check-freeze`); `--h200-freeze FILE` stages
+against such a record instead of the derivation.
+
+What goes in (`selection`): every pin of the base's amd64 locks (the common lock, the sm90
+image's set with vLLM, the pip CUDA toolkit and Ray; plus what the sm120 lock adds: b12x) whose
+name==version the H200 lacks, each checked against the lock's sha256 after download. When
+torch is among them, every NVIDIA library torch requires comes too (`torch_stack`); the pip CUDA
+toolkit's NVIDIA wheels always do (`toolkit_wheels`).
 """
 
 from __future__ import annotations
@@ -20,70 +29,390 @@ import hashlib
 import subprocess
 import sys
 import tarfile
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from dsa_image import lock, wheels
-from dsa_image.recipe import Recipe, load_recipe
+from dsa_image.recipe import Recipe, RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 SERVING_LIST = REPO / "docs" / "validation" / "h200-serving-wheels.txt"
-FROM_SM120_LOCK = ("b12x", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
-                   "nvidia-cutlass-dsl-libs-cu13")
+H200_BASE = "0.24.0"  # the base whose H200 runs tell what the H200's Python has
+ARCH = "amd64"
+EXTRAS_TARGET = "sm120"  # its lock adds b12x to the common set (the CuTe DSL is in both)
+# What the 0.24.0 runs staged besides the serving list (the earlier version of this module):
+# b12x and the CuTe DSL from the sm120 lock; vLLM, the toolkit and Ray are added from the recipe.
+BROUGHT_FROM_SM120_0_24 = ("b12x", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
+                           "nvidia-cutlass-dsl-libs-cu13")
 PART_BYTES = 60_000_000
-# The H200's Python (3.12, x86_64); pip matches manylinux tags exactly.
-PLATFORM_ARGS = ["--python-version", "3.12", "--implementation", "cp"] + [
-    arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_26_x86_64",
-                    "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-                    "manylinux_2_31_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")
-    for arg in ("--platform", tag)]
+BUNDLE = "bundle.tar"
+SELECTION = "selection.txt"
+SUMS = "SHA256SUMS"
+PYTHON = "3.12"  # the H200's Python
+# The newest glibc a wheel that ran on the H200 required: llguidance 1.7.6 has only a
+# manylinux_2_31 wheel (the 0.24.0 runs installed it). The locks were resolved for
+# manylinux_2_28 (lock.PYTHON_PLATFORM) but pin such releases too. `--check-freeze` on the device
+# checks every staged file's tags against its Python.
+H200_GLIBC = (2, 31)
 
 
-def requirements(recipe: Recipe) -> list[str]:
-    serving = [line.strip() for line in SERVING_LIST.read_text().splitlines()
-               if line.strip() and not line.startswith("#")]
-    pins = lock.parse_lock(lock.target_lock(recipe, recipe.targets["sm120"], "amd64").read_text())
-    return (serving + [f"{name}=={pins[name].version}" for name in FROM_SM120_LOCK]
-            + list(recipe.cuda_toolkit) + list(recipe.cluster_packages))
+def platform_args() -> list[str]:
+    """pip download's tags for the H200: pip matches --platform tags exactly, so every manylinux
+    up to its glibc, and PEP 600's legacy aliases."""
+    major, minor = H200_GLIBC
+    legacy = {"manylinux1": 5, "manylinux2010": 12, "manylinux2014": 17}
+    tags = [f"manylinux_{major}_{m}_x86_64" for m in range(minor, 4, -1)]
+    tags += [f"{alias}_x86_64" for alias, glibc in legacy.items() if glibc <= minor]
+    return ["--python-version", PYTHON, "--implementation", "cp"] + [a for t in tags for a in ("--platform", t)]
 
 
-def download(into: Path, recipe: Recipe) -> list[Path]:
-    into.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                    "--only-binary=:all:", "--index-url", "https://pypi.org/simple",
-                    *PLATFORM_ARGS, "-d", str(into), *requirements(recipe)], check=True)
-    vllm = recipe.wheel("linux/amd64")
-    return sorted(into.glob("*.whl")) + [wheels.ensure_wheel(vllm.filename, vllm.sha256)]
+class StageError(Exception):
+    """The locks, the H200 record or a download are not what staging needs; says what to do."""
 
 
-def split(bundle: Path, out: Path) -> list[Path]:
+@dataclass(frozen=True)
+class Staged:
+    name: str
+    version: str
+    hashes: frozenset[str]
+    why: str
+
+
+# --- what a base needs, and what the H200 has ----------------------------------------------
+
+
+def _read_lock(path: Path) -> str:
+    return (REPO / path).read_text()
+
+
+def needed(recipe: Recipe) -> dict[str, lock.Pin]:
+    """Every pin of the base's amd64 locks: the common lock plus what the sm120 lock adds."""
+    common_path = lock.common_lock(recipe, ARCH)
+    extras_path = lock.target_lock(recipe, recipe.target(EXTRAS_TARGET), ARCH)
+    common, extras = lock.parse_lock(_read_lock(common_path)), lock.parse_lock(_read_lock(extras_path))
+    moved = [f"{name}: {common[name].version} in {common_path}, {pin.version} in {extras_path}"
+             for name, pin in extras.items() if name in common and common[name].version != pin.version]
+    if moved:
+        raise StageError(f"the sm120 lock must only add to the common lock, but moves {'; '.join(moved)}; "
+                         f"run `{lock.lock_command(recipe.vllm_version)}`")
+    return {**common, **extras}
+
+
+def brought_by_0_24(recipe_0_24: Recipe) -> set[str]:
+    """The names the 0.24.0 runs staged (so the H200 may lack them or have other versions)."""
+    listed = [line for line in SERVING_LIST.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    pins = (*listed, *recipe_0_24.cuda_toolkit, *recipe_0_24.cluster_packages)
+    return {lock.split_pin(pin)[0] for pin in pins} | {lock.VLLM} | set(BROUGHT_FROM_SM120_0_24)
+
+
+def h200_environment(recipe_0_24: Recipe) -> dict[str, str]:
+    """{name: version} the H200's Python is known to have: the 0.24.0 base's amd64 pins the
+    0.24.0 runs did not bring (see the module's docstring for why, and what it cannot know)."""
+    brought = brought_by_0_24(recipe_0_24)
+    return {name: pin.version for name, pin in needed(recipe_0_24).items() if name not in brought}
+
+
+def parse_freeze(text: str, where: str) -> dict[str, str]:
+    """{name: version} of `pip list --format=freeze`."""
+    found = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        name, sep, version = line.strip().partition("==")
+        if not sep or not name or not version:
+            raise StageError(f"{where}:{number}: expected `name==version` (pip list --format=freeze), "
+                             f"found {line.strip()!r}")
+        found[lock.normalize(name)] = version
+    return found
+
+
+def has(present: dict[str, str], name: str, version: str) -> bool:
+    """Whether the H200 has name==version. Its torch is PyTorch's index build `2.11.0+cu130`: a
+    local label names the CUDA build of the same release, so it is compared without it."""
+    found = present.get(name)
+    return found is not None and wheels.canonical_version(found.split("+", 1)[0]) == wheels.canonical_version(version)
+
+
+# --- the selection -------------------------------------------------------------------------
+
+
+def torch_stack(via: dict[str, frozenset[str]]) -> set[str]:
+    """The NVIDIA libraries torch requires (the lock's `# via` chains). They travel with torch,
+    also those whose version the H200 has: torch 2.14.0's _load_global_deps preloads each CUDA
+    library from the first sys.path entry that has it, so one missing from the site would be
+    the H200's venv's copy, beside the site's others (and torch_libs would refuse it)."""
+    return {name for name in lock.requirements_of(via, "torch") if name.startswith("nvidia-")}
+
+
+def toolkit_wheels(recipe: Recipe) -> set[str]:
+    """The pip CUDA toolkit's NVIDIA wheels: the toolchain phase builds a CUDA home from these
+    files, so they travel even where the H200 has them installed (cuda-python, pinned there for
+    the resolver, is no part of it)."""
+    return {name for name, _ in map(lock.split_pin, recipe.cuda_toolkit) if name.startswith("nvidia-")}
+
+
+def selection(pins: dict[str, lock.Pin], present: dict[str, str], stack: set[str],
+              always: frozenset[str] | set[str] = frozenset()) -> list[Staged]:
+    """The pins to stage: those the H200 lacks at the lock's version, `always`, and torch's
+    NVIDIA libraries whenever torch itself is staged."""
+    chosen = {}
+    for name, pin in sorted(pins.items()):
+        found = present.get(name)
+        if not has(present, name, pin.version):
+            chosen[name] = Staged(name, pin.version, pin.hashes, f"the H200 has {found}" if found else "not on the H200")
+        elif name in always:
+            chosen[name] = Staged(name, pin.version, pin.hashes, "on the H200, staged for the toolchain's CUDA home")
+    if "torch" in chosen:
+        for name in sorted(stack - set(chosen)):
+            chosen[name] = Staged(name, pins[name].version, pins[name].hashes,
+                                  "on the H200, staged with torch (its CUDA library set)")
+    return [chosen[name] for name in sorted(chosen)]
+
+
+def plan(recipe: Recipe, present: dict[str, str]) -> list[Staged]:
+    via = lock.parse_via(_read_lock(lock.common_lock(recipe, ARCH)))
+    pins = needed(recipe)
+    locked = {(name, p.version) for name, p in pins.items()}
+    missing = [pin for pin in (*recipe.cuda_toolkit, *recipe.cluster_packages) if lock.split_pin(pin) not in locked]
+    if missing:
+        raise StageError(f"the {recipe.vllm_version} locks lack the recipe's {', '.join(missing)}; "
+                         f"run `{lock.lock_command(recipe.vllm_version)}`")
+    return selection(pins, present, torch_stack(via), toolkit_wheels(recipe))
+
+
+# --- download, verify, bundle --------------------------------------------------------------
+
+
+def download(staged: list[Staged], recipe: Recipe, cache: Path) -> dict[str, Path]:
+    """{name: wheel file} of every staged pin, each file's sha256 one of the lock's for it.
+    vLLM is the recipe's wheel (its sha256 is the lock's only hash for it); pip fetches the rest
+    with --require-hashes, and each file is hashed again here."""
+    cache.mkdir(parents=True, exist_ok=True)
+    others = [s for s in staged if s.name != lock.VLLM]
+    if others:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="stage-", delete=False) as f:
+            f.write("".join(f"{s.name}=={s.version} " + " ".join(f"--hash=sha256:{h}" for h in sorted(s.hashes))
+                            + "\n" for s in others))
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--require-hashes",
+                            "--only-binary=:all:", "--index-url", wheels.PYPI_SIMPLE, *platform_args(),
+                            "-d", str(cache), "-r", f.name], check=True)
+        except subprocess.CalledProcessError as exc:
+            raise StageError(f"pip download failed (exit {exc.returncode}, its message above); "
+                             "a hash mismatch there means the index no longer serves the locked file: "
+                             f"re-lock with `{lock.lock_command(recipe.vllm_version)}`") from exc
+        finally:
+            Path(f.name).unlink()
+    files = {s.name: verified_wheel(cache, s) for s in others}
+    if any(s.name == lock.VLLM for s in staged):
+        vllm = recipe.wheel(ARCH)
+        files[lock.VLLM] = wheels.ensure_wheel(vllm.filename, vllm.sha256)
+    return files
+
+
+def verified_wheel(cache: Path, staged: Staged) -> Path:
+    """The one wheel of staged.name==version in `cache` whose sha256 the lock lists."""
+    candidates = [p for p in cache.glob("*.whl") if wheels.project_of(p.name) == staged.name
+                  and wheels.canonical_version(wheels.distribution_version(p.name) or "")
+                  == wheels.canonical_version(staged.version)]
+    good = [p for p in candidates if wheels.sha256_file(p) in staged.hashes]
+    if len(good) != 1:
+        found = ", ".join(f"{p.name} (sha256 {wheels.sha256_file(p)})" for p in candidates) or "none"
+        raise StageError(f"{cache}: expected one wheel of {staged.name}=={staged.version} with a sha256 of the "
+                         f"lock's {len(staged.hashes)}, found {len(good)} among: {found}; delete those files and "
+                         "stage again (pip downloads the locked file)")
+    return good[0]
+
+
+class _Parts:
+    """A file-like sink that writes PART_BYTES-sized parts and hashes the whole stream and each
+    part, so the bundle is never on disk twice."""
+
+    def __init__(self, out: Path, part_bytes: int = PART_BYTES):
+        self.out, self.part_bytes, self.digest, self.paths, self.size = out, part_bytes, hashlib.sha256(), [], 0
+        self.part_digests: list = []
+        self._file = None
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            if self._file is None or self._file.tell() == self.part_bytes:
+                self._next()
+            take = min(len(view), self.part_bytes - self._file.tell())
+            self._file.write(view[:take])
+            self.digest.update(view[:take])
+            self.part_digests[-1].update(view[:take])
+            self.size += take
+            view = view[take:]
+        return len(data)
+
+    def _next(self) -> None:
+        self.close()
+        self.paths.append(self.out / f"{BUNDLE}.part{len(self.paths):02d}")
+        self.part_digests.append(hashlib.sha256())
+        self._file = self.paths[-1].open("wb")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def selection_text(staged: list[Staged], files: dict[str, Path]) -> str:
+    return "".join(f"{s.name}=={s.version}  {files[s.name].name}  {s.why}\n" for s in staged)
+
+
+def write_stage(staged: list[Staged], files: dict[str, Path], out: Path, part_bytes: int = PART_BYTES) -> _Parts:
+    """out/bundle.tar.partNN, out/selection.txt (what the bundle holds) and out/SHA256SUMS (each
+    part's sha256, checked as it arrives on the device, the reassembled bundle's and the
+    selection's, for `sha256sum -c`)."""
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob(f"{bundle.name}.part*"):
-        old.unlink()
-    parts, digest = [], hashlib.sha256()
-    with bundle.open("rb") as f:
-        while chunk := f.read(PART_BYTES):
-            digest.update(chunk)
-            part = out / f"{bundle.name}.part{len(parts):02d}"
-            part.write_bytes(chunk)
-            parts.append(part)
-    (out / "SHA256SUMS").write_text(f"{digest.hexdigest()}  {bundle.name}\n")
+    for old in [*out.glob(f"{BUNDLE}.part*"), out / SUMS, out / SELECTION]:
+        old.unlink(missing_ok=True)
+    parts = _Parts(out, part_bytes)
+    try:
+        with tarfile.open(fileobj=parts, mode="w|") as tar:
+            for s in staged:
+                tar.add(files[s.name], arcname=files[s.name].name)
+    finally:
+        parts.close()
+    text = selection_text(staged, files)
+    (out / SELECTION).write_text(text)
+    sums = [(d.hexdigest(), path.name) for d, path in zip(parts.part_digests, parts.paths)]
+    sums += [(parts.digest.hexdigest(), BUNDLE), (wheels.sha256_bytes(text.encode()), SELECTION)]
+    (out / SUMS).write_text("".join(f"{digest}  {name}\n" for digest, name in sums))
     return parts
 
 
+# --- on the device: does the bundle cover the base on this H200? --------------------------
+
+
+def parse_selection(text: str) -> dict[str, tuple[str, str]]:
+    """{name: (version, wheel filename)} of a bundle's selection.txt."""
+    found = {}
+    for line in text.splitlines():
+        if line.strip():
+            pin, filename = line.split()[:2]
+            name, version = lock.split_pin(pin)
+            found[name] = (version, filename)
+    return found
+
+
+def unsupported(filenames: list[str]) -> list[str]:
+    """The wheels whose tags this Python does not accept (pip would refuse them)."""
+    try:
+        from packaging.tags import sys_tags
+        from packaging.utils import parse_wheel_filename
+    except ImportError:  # pip's own copy, always there where pip is
+        from pip._vendor.packaging.tags import sys_tags
+        from pip._vendor.packaging.utils import parse_wheel_filename
+    accepted = set(sys_tags())
+    return [f for f in filenames if not set(parse_wheel_filename(f)[3]) & accepted]
+
+
+def check_freeze(recipe: Recipe, real: dict[str, str], staged: dict[str, tuple[str, str]] | None
+                 ) -> tuple[list[str], list[str]]:
+    """(report lines, problems): the derived environment against the H200's real one; with the
+    bundle's selection, every pin of the base neither in the bundle nor on the H200 at its
+    version, and every staged wheel this Python would refuse."""
+    derived = h200_environment(recipe if recipe.vllm_version == H200_BASE else load_recipe(vllm=H200_BASE))
+    differ = sorted(f"{n}=={v} (the H200 has {real[n]})" for n, v in derived.items()
+                    if n in real and not has(real, n, v))
+    absent = sorted(f"{n}=={v}" for n, v in derived.items() if n not in real)
+    same = len(derived) - len(differ) - len(absent)
+    report = [f"derived H200 environment: {len(derived)} pins; the H200 has {same} of them at those versions, "
+              f"{len(differ)} at another version, lacks {len(absent)}",
+              *(f"  other version: {line}" for line in differ), *(f"  absent: {line}" for line in absent)]
+    if staged is None:
+        return report + ["no selection.txt given: the bundle's coverage was not checked"], []
+    pins = needed(recipe)
+    uncovered = sorted(f"{n}=={p.version}: neither in the bundle nor on the H200"
+                       + (f" (it has {real[n]})" if n in real else "")
+                       for n, p in pins.items()
+                       if staged.get(n, ("",))[0] != p.version and not has(real, n, p.version))
+    refused = [f"{f}: this Python accepts none of its tags (staging assumed Python {PYTHON}, glibc "
+               f"{'.'.join(map(str, H200_GLIBC))}: H200_GLIBC in {Path(__file__).name})"
+               for f in unsupported([f for _, f in staged.values()])]
+    report.append(f"vLLM {recipe.vllm_version}: {len(pins)} pins; {len(staged)} in the bundle, "
+                  f"{len(pins) - len(staged) - len(uncovered)} on the H200 only, {len(uncovered)} in neither; "
+                  f"{len(refused)} staged wheels this Python refuses")
+    return report, uncovered + refused
+
+
+# --- command line --------------------------------------------------------------------------
+
+
+def present_on_h200(freeze: Path | None) -> tuple[dict[str, str], str]:
+    if freeze is not None:
+        return parse_freeze(freeze.read_text(), str(freeze)), f"the H200's recorded `pip list` ({freeze})"
+    return h200_environment(load_recipe(vllm=H200_BASE)), f"the H200 environment derived from the {H200_BASE} runs"
+
+
+def stage(recipe: Recipe, freeze: Path | None, cache: Path, out: Path) -> int:
+    present, source = present_on_h200(freeze)
+    staged = plan(recipe, present)
+    files = download(staged, recipe, cache)
+    directory = out / f"vllm-{recipe.vllm_version}"
+    parts = write_stage(staged, files, directory)
+    print(f"vLLM {recipe.vllm_version}: {len(staged)} wheels (against {source}), {parts.size / 1e6:.0f} MB "
+          f"in {len(parts.paths)} parts under {directory}; carry one part per device call "
+          f"({SUMS} and {SELECTION} with the first)")
+    return 0
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Exit codes: 0 done / covered; 1 --check-freeze found pins neither staged nor on the H200; "
+               "2 usage, or the locks, the record or a download are not what staging needs.")
+    parser.add_argument("--vllm", metavar="VERSION", help="the recipe's base to stage (default: its default)")
+    parser.add_argument("--h200-freeze", type=Path, metavar="FILE",
+                        help="stage against this `pip list --format=freeze` of the H200 (the inventory phase's "
+                             "h200-pip-freeze.txt) instead of the environment derived from the 0.24.0 runs")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--plan", action="store_true", help="print the selection, download nothing")
+    mode.add_argument("--h200-env", action="store_true", help="print the derived H200 environment")
+    mode.add_argument("--check-freeze", type=Path, metavar="FREEZE",
+                      help="on the device: compare this `pip list --format=freeze` with the derived environment, "
+                           "and with --staged check that bundle + H200 hold every pin of the base")
+    parser.add_argument("--staged", type=Path, metavar="SELECTION", help=f"the bundle's {SELECTION} (--check-freeze)")
     parser.add_argument("--cache", type=Path, default=wheels.cache_dir() / "h200-wheels")
     parser.add_argument("--out", type=Path, default=REPO / ".stage")
-    parser.add_argument("--vllm", metavar="VERSION", help="the recipe's base to stage (default: its default)")
     args = parser.parse_args(argv)
-    files = download(args.cache, load_recipe(vllm=args.vllm))
-    bundle = args.cache.parent / "bundle.tar"
-    with tarfile.open(bundle, "w") as tar:
-        for path in files:
-            tar.add(path, arcname=path.name)
-    parts = split(bundle, args.out)
-    print(f"{len(files)} wheels, {bundle.stat().st_size / 1e6:.0f} MB in {len(parts)} parts "
-          f"under {args.out}; carry one part per device call")
+    try:
+        recipe = load_recipe(vllm=args.vllm)
+        if args.h200_env:
+            derived = h200_environment(load_recipe(vllm=H200_BASE))
+            print("".join(f"{n}=={v}\n" for n, v in sorted(derived.items())), end="")
+            return 0
+        if args.check_freeze:
+            return _check(recipe, args.check_freeze, args.staged)
+        if args.plan:
+            present, source = present_on_h200(args.h200_freeze)
+            staged = plan(recipe, present)
+            print(f"vLLM {recipe.vllm_version}: {len(staged)} wheels to stage, against {source}")
+            print("".join(f"{s.name}=={s.version}  # {s.why}\n" for s in staged), end="")
+            return 0
+        return stage(recipe, args.h200_freeze, args.cache, args.out)
+    except (StageError, RecipeError, lock.LockError, wheels.WheelError, OSError) as exc:
+        print(f"stage: {exc}", file=sys.stderr)
+        return 2
+
+
+def _check(recipe: Recipe, freeze: Path, selection_file: Path | None) -> int:
+    staged = parse_selection(selection_file.read_text()) if selection_file else None
+    report, problems = check_freeze(recipe, parse_freeze(freeze.read_text(), str(freeze)), staged)
+    print("\n".join(report))
+    if problems:
+        print(f"expected the bundle and this H200 to hold every pin of vLLM {recipe.vllm_version}, found:\n  "
+              + "\n  ".join(problems)
+              + f"\nStage against this record (here, not on the device): `python3 scripts/stage_h200_wheels.py "
+                f"--vllm {recipe.vllm_version} --h200-freeze h200-pip-freeze.txt` and carry the new parts; a pin "
+                "vLLM never imports is harmless, but which those are is what this run would find out",
+              file=sys.stderr)
+        return 1
+    print("INVENTORY: " + ("the bundle and this H200 hold every pin of the base" if staged is not None
+                           else "recorded; the bundle's coverage not checked (no --staged)"))
     return 0
 
 

@@ -1,0 +1,423 @@
+"""What the H200 validation stages per base (dsa_image/validation/stage.py), the check of which
+torch and CUDA libraries a site loads (dsa_image/validation/torch_libs.py), and the per-base
+paths of scripts/h200_validation.sh. No network, no GPU."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dsa_image import lock
+from dsa_image.lock import Pin
+from dsa_image.recipe import load_recipe
+from dsa_image.validation import stage, torch_libs
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "h200_validation.sh"
+OLD = load_recipe(vllm="0.24.0")
+NEW = load_recipe(vllm="0.33.0")
+# The H200 environment as the latest H200 run recorded it (python, torch, triton).
+RECORDED = REPO / "docs" / "validation" / "h200-2026-11-30-overlay-f1d4805b" / "environment.txt"
+
+pytestmark = pytest.mark.skipif(os.environ.get("DSA_IMAGE_IN_IMAGE") == "1",
+                                reason="reads the locks and docs the image does not carry")
+
+
+def pin(version: str, *hashes: str) -> Pin:
+    return Pin(version, frozenset(hashes or (hashlib.sha256(version.encode()).hexdigest(),)))
+
+
+# --- reading the locks' dependency comments -------------------------------------------------
+
+VIA = """\
+torch==2.14.0 \\
+    --hash=sha256:{h}
+    # via
+    #   -r recipes/requirements/vllm-0.33.0/vllm.in
+    #   vllm
+cuda-toolkit==13.0.3.0 \\
+    --hash=sha256:{h}
+    # via torch
+nvidia-cublas==13.1.1.3 \\
+    --hash=sha256:{h}
+    # via
+    #   cuda-toolkit
+    #   nvidia-cudnn-cu13
+nvidia-cudnn-cu13==9.24.0.43 \\
+    --hash=sha256:{h}
+    # via torch
+numpy==2.0.0 \\
+    --hash=sha256:{h}
+    # via vllm
+""".format(h="a" * 64)
+
+
+def test_parse_via_reads_both_forms_and_leaves_out_requirement_files():
+    via = lock.parse_via(VIA)
+    assert via["torch"] == {"vllm"}
+    assert via["cuda-toolkit"] == {"torch"}
+    assert via["nvidia-cublas"] == {"cuda-toolkit", "nvidia-cudnn-cu13"}
+    assert set(via) == set(lock.parse_lock(VIA))
+
+
+def test_requirements_of_follows_the_chain_and_stops_at_other_roots():
+    via = lock.parse_via(VIA)
+    assert lock.requirements_of(via, "torch") == {"cuda-toolkit", "nvidia-cublas", "nvidia-cudnn-cu13"}
+    assert stage.torch_stack(via) == {"nvidia-cublas", "nvidia-cudnn-cu13"}
+
+
+# --- the selection, on small made-up pins ------------------------------------------------
+
+
+def test_selection_stages_what_the_h200_lacks_and_torch_with_its_whole_cuda_set():
+    pins = {"a": pin("1.0"), "b": pin("2.0"), "torch": pin("2.14.0"), "nvidia-x": pin("1"), "nvidia-y": pin("1"),
+            "new": pin("0.1")}
+    present = {"a": "1.0", "b": "1.9", "torch": "2.11.0+cu130", "nvidia-x": "1", "nvidia-y": "1"}
+    chosen = {s.name: s for s in stage.selection(pins, present, stack={"nvidia-x"})}
+    assert set(chosen) == {"b", "torch", "new", "nvidia-x"}  # nvidia-y: not one of torch's libraries
+    assert chosen["b"].why == "the H200 has 1.9" and chosen["new"].why == "not on the H200"
+    assert "staged with torch" in chosen["nvidia-x"].why
+    assert chosen["torch"].hashes == pins["torch"].hashes  # the lock's hashes travel with each pin
+
+
+def test_the_toolkits_wheels_travel_even_where_the_h200_has_them():
+    pins = {"nvidia-cuda-nvcc": pin("13.0.88"), "cuda-python": pin("13.4.4")}
+    present = {"nvidia-cuda-nvcc": "13.0.88", "cuda-python": "13.4.4"}
+    assert stage.toolkit_wheels(NEW) == {lock.normalize(p.split("==")[0]) for p in NEW.cuda_toolkit} - {"cuda-python"}
+    chosen = stage.selection(pins, present, set(), always=stage.toolkit_wheels(NEW))
+    assert [(s.name, s.why) for s in chosen] == [("nvidia-cuda-nvcc", "on the H200, staged for the toolchain's CUDA home")]
+
+
+def test_torch_of_the_h200_counts_as_the_lock_pin_without_its_local_label():
+    pins = {"torch": pin("2.11.0"), "nvidia-x": pin("1")}
+    assert stage.selection(pins, {"torch": "2.11.0+cu130", "nvidia-x": "1"}, {"nvidia-x"}) == []
+    assert stage.has({"x": "13.0.3"}, "x", "13.0.3.0")  # PEP 440: trailing .0 is the same release
+    assert not stage.has({"x": "2.11.1"}, "x", "2.11.0")
+
+
+# --- the H200's environment, derived from the 0.24.0 runs ---------------------------------
+
+
+def test_the_derived_h200_environment_is_the_0_24_locks_less_what_those_runs_brought():
+    derived = stage.h200_environment(OLD)
+    brought = stage.brought_by_0_24(OLD)
+    assert not set(derived) & brought
+    assert {"vllm", "b12x", "ray", "nvidia-cuda-nvcc", "xgrammar", "nvidia-cutlass-dsl"} <= brought
+    assert set(derived) | brought == set(stage.needed(OLD))
+    assert derived["numpy"] == stage.needed(OLD)["numpy"].version
+
+
+def test_the_derivation_agrees_with_what_the_h200_runs_recorded():
+    python, _, torch, _, triton = RECORDED.read_text().splitlines()[2].split()
+    derived = stage.h200_environment(OLD)
+    assert python.startswith(stage.PYTHON + ".")
+    assert stage.has({"torch": torch}, "torch", derived["torch"]) and derived["triton"] == triton
+
+
+def test_the_0_24_selection_is_what_its_runs_staged_with_the_locks_versions():
+    staged = {s.name: s.version for s in stage.plan(OLD, stage.h200_environment(OLD))}
+    assert set(staged) == stage.brought_by_0_24(OLD)
+    listed = dict(line.split("==") for line in stage.SERVING_LIST.read_text().splitlines()
+                  if line.strip() and not line.startswith("#"))
+    moved = {lock.normalize(n) for n, v in listed.items() if staged[lock.normalize(n)] != v}
+    # The hand-kept list predates the locks; these three now come at the image's versions.
+    assert moved == {"apache-tvm-ffi", "cuda-tile", "xgrammar"}
+
+
+def test_the_0_33_selection_brings_torch_its_cuda_set_vllm_b12x_the_toolkit_and_ray():
+    pins = stage.needed(NEW)
+    staged = {s.name: s for s in stage.plan(NEW, stage.h200_environment(OLD))}
+    assert {"torch", "triton", "vllm", "b12x", "ray"} <= set(staged)
+    assert staged["torch"].version == "2.14.0" and staged["b12x"].version == NEW.get("b12x.version")
+    via = lock.parse_via((REPO / lock.common_lock(NEW, "amd64")).read_text())
+    assert stage.torch_stack(via) <= set(staged)
+    assert {"nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cufft"} <= set(staged)
+    assert {lock.normalize(p.split("==")[0]) for p in NEW.cuda_toolkit if p.startswith("nvidia-")} <= set(staged)
+    assert "numpy" not in staged  # the same release in both bases: the H200's
+    assert all(s.version == pins[n].version and s.hashes == pins[n].hashes for n, s in staged.items())
+
+
+def test_needed_refuses_an_extras_lock_that_moves_a_common_pin(monkeypatch):
+    real = stage._read_lock
+
+    def moved(path):
+        text = real(path)
+        return text.replace("numpy==", "numpy==0.0.1.dev0+") if "sm120" in str(path) else text
+
+    monkeypatch.setattr(stage, "_read_lock", moved)
+    with pytest.raises(stage.StageError, match="only add to the common lock, but moves numpy"):
+        stage.needed(NEW)
+
+
+# --- download, verify and bundle --------------------------------------------------------------
+
+
+def wheel(directory: Path, name: str, version: str, content: bytes) -> Path:
+    path = directory / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    path.write_bytes(content)
+    return path
+
+
+def test_a_downloaded_wheel_must_carry_a_hash_of_the_lock(tmp_path):
+    good = wheel(tmp_path, "foo", "1.0", b"locked")
+    staged = stage.Staged("foo", "1.0", frozenset({hashlib.sha256(b"locked").hexdigest()}), "")
+    assert stage.verified_wheel(tmp_path, staged) == good
+    good.write_bytes(b"tampered")
+    with pytest.raises(stage.StageError, match=r"one wheel of foo==1.0 with a sha256 of the lock's 1, found 0"):
+        stage.verified_wheel(tmp_path, staged)
+
+
+def test_download_fails_closed_when_pip_leaves_a_file_the_lock_does_not_know(tmp_path, monkeypatch):
+    staged = [stage.Staged("foo", "1.0", frozenset({"0" * 64}), "")]
+
+    def fake_pip(argv, check):
+        requirements = Path(argv[argv.index("-r") + 1]).read_text()
+        assert requirements == f"foo==1.0 --hash=sha256:{'0' * 64}\n" and "--require-hashes" in argv
+        wheel(Path(argv[argv.index("-d") + 1]), "foo", "1.0", b"not what was locked")
+
+    monkeypatch.setattr(stage.subprocess, "run", fake_pip)
+    with pytest.raises(stage.StageError, match="foo==1.0"):
+        stage.download(staged, NEW, tmp_path / "cache")
+
+
+def test_the_bundle_reassembles_from_its_parts_and_lists_what_it_holds(tmp_path):
+    files = {n: wheel(tmp_path, n, "1.0", os.urandom(3000)) for n in ("foo", "bar")}
+    staged = [stage.Staged(n, "1.0", frozenset(), "not on the H200") for n in sorted(files)]
+    out = tmp_path / "out"
+    (out / "bundle.tar.part99").parent.mkdir()
+    (out / "bundle.tar.part99").write_bytes(b"stale")
+    parts = stage.write_stage(staged, files, out, part_bytes=4096)
+    assert len(parts.paths) > 1 and sorted(out.glob("bundle.tar.part*")) == parts.paths
+    bundle = b"".join(p.read_bytes() for p in parts.paths)
+    sums = dict(reversed(line.split("  ")) for line in (out / "SHA256SUMS").read_text().splitlines())
+    assert sums["bundle.tar"] == hashlib.sha256(bundle).hexdigest() and parts.size == len(bundle)
+    assert all(sums[p.name] == hashlib.sha256(p.read_bytes()).hexdigest() for p in parts.paths)
+    assert len(sums) == len(parts.paths) + 2
+    assert sums["selection.txt"] == hashlib.sha256((out / "selection.txt").read_bytes()).hexdigest()
+    (tmp_path / "bundle.tar").write_bytes(bundle)
+    with tarfile.open(tmp_path / "bundle.tar") as tar:
+        assert sorted(tar.getnames()) == sorted(p.name for p in files.values())
+    assert stage.parse_selection((out / "selection.txt").read_text()) == {
+        n: ("1.0", files[n].name) for n in files}
+
+
+def test_pip_gets_every_manylinux_tag_up_to_the_h200_glibc():
+    args = stage.platform_args()
+    tags = args[5::2]
+    assert "manylinux_2_31_x86_64" in tags and "manylinux_2_28_x86_64" in tags and "manylinux2014_x86_64" in tags
+    assert "manylinux_2_32_x86_64" not in tags
+    assert args[:4] == ["--python-version", "3.12", "--implementation", "cp"]
+
+
+# --- on the device: the inventory check -------------------------------------------------
+
+
+def freeze_of(present: dict[str, str]) -> dict[str, str]:
+    return {**present, "torch": "2.11.0+cu130"}
+
+
+def test_check_freeze_passes_when_the_bundle_and_the_h200_cover_the_base(monkeypatch):
+    monkeypatch.setattr(stage, "unsupported", lambda filenames: [])
+    real = freeze_of(stage.h200_environment(OLD))
+    staged = {s.name: (s.version, f"{s.name}.whl") for s in stage.plan(NEW, real)}
+    report, problems = stage.check_freeze(NEW, real, staged)
+    assert problems == []
+    assert report[0].startswith(f"derived H200 environment: {len(real)} pins; the H200 has {len(real)} of them")
+
+
+def test_check_freeze_names_what_the_derivation_got_wrong_and_what_is_then_missing(monkeypatch):
+    monkeypatch.setattr(stage, "unsupported", lambda filenames: [])
+    derived = stage.h200_environment(OLD)
+    staged = {s.name: (s.version, f"{s.name}.whl") for s in stage.plan(NEW, derived)}
+    real = freeze_of({n: v for n, v in derived.items() if n != "numpy"})
+    real["pyyaml"] = "0.1"
+    report, problems = stage.check_freeze(NEW, real, staged)
+    assert "  absent: numpy==" + derived["numpy"] in report
+    assert any(line.startswith(f"  other version: pyyaml=={derived['pyyaml']} (the H200 has 0.1)") for line in report)
+    assert [p.split(":")[0] for p in problems] == [f"numpy=={stage.needed(NEW)['numpy'].version}",
+                                                   f"pyyaml=={stage.needed(NEW)['pyyaml'].version}"]
+
+
+def test_a_staged_wheel_this_python_refuses_is_a_problem():
+    assert stage.unsupported(["foo-1.0-py3-none-any.whl", "bar-1.0-cp312-cp312-manylinux_2_99_x86_64.whl"]) == [
+        "bar-1.0-cp312-cp312-manylinux_2_99_x86_64.whl"]
+
+
+def test_parse_freeze_refuses_a_line_that_is_not_a_pin():
+    assert stage.parse_freeze("Foo_Bar==1.0\n\n", "f") == {"foo-bar": "1.0"}
+    with pytest.raises(stage.StageError, match="f:2: expected `name==version`"):
+        stage.parse_freeze("a==1\nb @ file:///x\n", "f")
+
+
+def test_the_command_line_plans_without_downloading(capsys):
+    assert stage.main(["--vllm", "0.33.0", "--plan"]) == 0
+    out = capsys.readouterr().out
+    count = len(stage.plan(NEW, stage.h200_environment(OLD)))
+    assert out.startswith(f"vLLM 0.33.0: {count} wheels to stage, against the H200 environment derived")
+    assert "torch==2.14.0  # the H200 has 2.11.0" in out
+
+
+def test_check_freeze_on_the_command_line_exits_1_and_says_how_to_restage(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(stage, "unsupported", lambda filenames: [])
+    freeze = tmp_path / "h200-pip-freeze.txt"
+    freeze.write_text("numpy==1.0\n")
+    selection = tmp_path / "selection.txt"
+    selection.write_text("vllm==0.33.0  vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl  not on the H200\n")
+    assert stage.main(["--vllm", "0.33.0", "--check-freeze", str(freeze), "--staged", str(selection)]) == 1
+    err = capsys.readouterr().err
+    assert "--vllm 0.33.0 --h200-freeze h200-pip-freeze.txt" in err and "torch==2.14.0" in err
+
+
+# --- which torch and CUDA libraries a site loads ------------------------------------------
+
+MAPS = """\
+7f00-7f01 r-xp 00000000 08:01 1 /tmp/site/torch/lib/libtorch_cuda.so
+7f01-7f02 r--p 00000000 08:01 1 /tmp/site/torch/lib/libtorch_cuda.so
+7f02-7f03 r-xp 00000000 08:01 2 /tmp/site/nvidia/cu13/lib/libcublas.so.13
+7f03-7f04 r-xp 00000000 08:01 3 /tmp/site/nvidia/cu13/lib/libcublasLt.so.13
+7f04-7f05 r-xp 00000000 08:01 4 /tmp/site/nvidia/cudnn/lib/libcudnn.so.9
+7f05-7f06 r-xp 00000000 08:01 5 /usr/lib/x86_64-linux-gnu/libcuda.so.1
+7f06-7f07 rw-p 00000000 00:00 0 [heap]
+7f06-7f07 r-xp 00000000 08:01 7 /usr/lib/x86_64-linux-gnu/nvidia/current/libnvidia-ml.so.1
+7f07-7f08 r-xp 00000000 08:01 6 /venv/site-packages/nvidia/cu13/lib/libcufft.so.12
+"""
+
+
+def site_with_torch(tmp_path: Path) -> Path:
+    (tmp_path / "site" / "torch").mkdir(parents=True)
+    (tmp_path / "site" / "torch" / "__init__.py").write_text("")
+    return tmp_path / "site"
+
+
+def test_mapped_libraries_lists_each_shared_object_once():
+    libs = torch_libs.mapped_libraries(MAPS)
+    assert libs[0] == "/tmp/site/torch/lib/libtorch_cuda.so" and len(libs) == len(set(libs)) == 7
+    assert torch_libs.cuda_libraries(libs) == [
+        "/tmp/site/nvidia/cu13/lib/libcublas.so.13", "/tmp/site/nvidia/cu13/lib/libcublasLt.so.13",
+        "/tmp/site/nvidia/cudnn/lib/libcudnn.so.9", "/venv/site-packages/nvidia/cu13/lib/libcufft.so.12"]
+
+
+def test_a_site_with_torch_must_provide_every_cuda_library(tmp_path):
+    site = site_with_torch(tmp_path)
+    libs = [str(site / "nvidia/cu13/lib/libcublas.so.13"), str(site / "nvidia/cudnn/lib/libcudnn.so.9")]
+    assert torch_libs.evaluate(str(site / "torch/__init__.py"), "2.14.0", "2.14.0", site, libs) == ([], [])
+    problems, _ = torch_libs.evaluate(str(site / "torch/__init__.py"), "2.14.0", "2.14.0", site,
+                                      libs + ["/venv/site-packages/nvidia/cu13/lib/libcufft.so.12"])
+    assert problems == [f"libcufft.so.12: expected from {site} (torch's tree), mapped from "
+                        "/venv/site-packages/nvidia/cu13/lib/libcufft.so.12"]
+
+
+def test_a_site_with_torch_must_shadow_the_h200s_torch(tmp_path):
+    site = site_with_torch(tmp_path)
+    venv = "/venv/site-packages"
+    libs = [f"{venv}/nvidia/cu13/lib/libcublas.so.13", f"{venv}/nvidia/cudnn/lib/libcudnn.so.9"]
+    problems, _ = torch_libs.evaluate(f"{venv}/torch/__init__.py", "2.11.0+cu130", "2.14.0", site, libs)
+    assert problems[0].startswith(f"torch: expected {site}/torch") and "put" in problems[0]
+    assert any("expected 2.14.0 (the base's lock), found 2.11.0+cu130" in p for p in problems)
+
+
+def test_with_the_h200s_torch_cublas_and_cudnn_come_from_its_venv_and_other_copies_are_noted(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    venv = "/venv/site-packages"
+    libs = [f"{venv}/nvidia/cu13/lib/libcublas.so.13", f"{venv}/nvidia/cudnn/lib/libcudnn.so.9",
+            f"{site}/nvidia/cu13/lib/libcudart.so.13"]
+    problems, notes = torch_libs.evaluate(f"{venv}/torch/__init__.py", "2.11.0+cu130", "2.11.0", site, libs)
+    assert problems == [] and notes == [f"libcudart.so.13: also mapped from {site}/nvidia/cu13/lib/libcudart.so.13 "
+                                        "(torch is the H200's; the site holds this library too)"]
+    problems, _ = torch_libs.evaluate(f"{venv}/torch/__init__.py", "2.11.0+cu130", "2.11.0", site,
+                                      [f"{site}/nvidia/cu13/lib/libcublas.so.13", libs[1]])
+    assert problems == [f"libcublas.so.13: expected from {venv} (torch's tree), mapped from "
+                        f"{site}/nvidia/cu13/lib/libcublas.so.13"]
+
+
+def test_cublas_and_cudnn_must_have_been_loaded(tmp_path):
+    site = site_with_torch(tmp_path)
+    problems, _ = torch_libs.evaluate(str(site / "torch/__init__.py"), "2.14.0", "2.14.0", site,
+                                      [str(site / "nvidia/cu13/lib/libcublas.so.13")])
+    assert problems == [f"libcudnn: not mapped after a matmul and a convolution on the GPU; expected it from {site}"]
+
+
+# --- scripts/h200_validation.sh: one set of paths per base ---------------------------------
+
+
+def run_script(phase: str, script: Path = SCRIPT, **env: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return subprocess.run(["bash", str(script), phase], env={**os.environ, "PATH": path, **env},
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def script_paths(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    return run_script("paths", **env)
+
+
+@pytest.mark.parametrize("base", [None, "0.24.0", "0.33.0"])
+def test_every_path_of_the_script_is_the_bases_own(tmp_path, base):
+    done = script_paths(tmp_path, **({"VLLM": base} if base else {}))
+    assert done.returncode == 0, done.stderr
+    paths = dict(line.split("=", 1) for line in done.stdout.splitlines())
+    version = base or load_recipe().vllm_version
+    assert paths == {"vllm": version, "stage": f"/tmp/stage-{version}", "wheels": f"/tmp/wheels-{version}",
+                     "site_stock": f"/tmp/site-stock-{version}", "site_overlay": f"/tmp/site-overlay-{version}",
+                     "model": "/tmp/tiny-glm5", "manifest": f"{REPO}/overlay/vllm-{version}/manifest.json",
+                     "results": f"/tmp/results-{version}"}
+
+
+def test_the_script_refuses_a_base_the_recipe_does_not_pin(tmp_path):
+    done = script_paths(tmp_path, VLLM="0.9.9")
+    assert done.returncode == 2 and "VLLM=0.9.9: expected one of the recipe's bases: 0.24.0 0.33.0" in done.stderr
+
+
+def test_the_script_names_no_base_and_no_shared_path_outside_its_comments():
+    code = [line for line in SCRIPT.read_text().splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in code if re.search(r"\b0\.\d+\.\d+\b", line)]
+    assert not [line for line in code if re.search(r"/tmp/(site-|stage\b|wheels\b|results\b|tiny-glm5)", line)
+                and "$vllm" not in line]
+
+
+def device_copy(tmp_path: Path) -> Path:
+    """What the script needs of the repository, as the device's copy has it."""
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO / "dsa_image", repo / "dsa_image", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "recipes", repo / "recipes")
+    (repo / "scripts").mkdir()
+    for name in ("h200_validation.sh", "recipe.py"):
+        shutil.copy2(REPO / "scripts" / name, repo / "scripts" / name)
+    return repo
+
+
+def test_receive_moves_each_carried_part_checks_it_and_counts(tmp_path):
+    repo = device_copy(tmp_path)
+    carried = repo / ".stage" / "vllm-0.33.0"
+    files = {n: wheel(tmp_path, n, "1.0", os.urandom(5000)) for n in ("foo", "bar")}
+    staged = [stage.Staged(n, "1.0", frozenset(), "") for n in sorted(files)]
+    parts = stage.write_stage(staged, files, tmp_path / "here", part_bytes=4096)
+    env = {"VLLM": "0.33.0", "WORK_ROOT": str(tmp_path / "work"), "OUT": str(tmp_path / "out")}
+    script = repo / "scripts" / "h200_validation.sh"
+
+    def carry(*names: str) -> subprocess.CompletedProcess:
+        carried.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copy2(tmp_path / "here" / name, carried / name)
+        return run_script("receive", script, **env)
+
+    done = run_script("receive", script, **env)
+    assert done.returncode == 1 and "expected" in done.stderr and "SHA256SUMS" in done.stderr
+    done = carry(parts.paths[0].name, "SHA256SUMS", "selection.txt")
+    assert done.returncode == 0, done.stderr
+    assert f"received: 1 of {len(parts.paths)} parts" in done.stdout and not list(carried.iterdir())
+    parts.paths[1].write_bytes(b"damaged in transfer")
+    done = carry(parts.paths[1].name)
+    assert done.returncode == 1 and "a part differs from SHA256SUMS" in done.stderr
+    shutil.rmtree(tmp_path / "here")
+    stage.write_stage(staged, files, tmp_path / "here", part_bytes=4096)
+    done = carry(*(p.name for p in parts.paths[1:]))
+    assert done.returncode == 0 and f"received: {len(parts.paths)} of {len(parts.paths)} parts" in done.stdout
