@@ -112,6 +112,14 @@ class WheelSources:
         return any(m.startswith(module + ".") for m in self.files)
 
 
+def api_signature(sources: WheelSources, module: str, name: str) -> Signature | None:
+    """The parameters of the function or dataclass ``module.name``; None where undefined."""
+    node = sources.resolve(module, name)
+    if node is None:
+        return None
+    return _function_signature(node) if isinstance(node, ast.FunctionDef) else _dataclass_signature(node)
+
+
 def problems(wheel: Path, overlay_source: str) -> list[str]:
     """Every way the overlay's use of b12x does not fit the wheel; empty when it fits."""
     sources = WheelSources(wheel)
@@ -121,14 +129,10 @@ def problems(wheel: Path, overlay_source: str) -> list[str]:
             found.append(f"module {module} is not in {wheel.name}")
             continue
         for name in sorted(usage.names):
-            node = sources.resolve(module, name)
-            if node is None:
+            signature = api_signature(sources, module, name)
+            if signature is None:
                 found.append(f"{module}.{name} is not defined in {wheel.name}")
                 continue
-            if isinstance(node, ast.FunctionDef):
-                signature = _function_signature(node)
-            else:
-                signature = _dataclass_signature(node)
             for n_positional, keywords in usage.calls.get(name, []):
                 accepted = set(signature.positional) | set(signature.keyword_only)
                 given = set(signature.positional[:n_positional]) | keywords
@@ -143,10 +147,15 @@ def problems(wheel: Path, overlay_source: str) -> list[str]:
 
 
 def module_constants(source: str) -> dict[str, object]:
-    """Module-level ``NAME = literal`` assignments of a source file (literals only)."""
+    """Module-level ``NAME = literal`` assignments of a source file, and ``NAME = OTHER`` where
+    OTHER is such a constant assigned before (b12x aliases tile sizes so)."""
     constants = {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if isinstance(node.value, ast.Name):
+                if node.value.id in constants:
+                    constants[node.targets[0].id] = constants[node.value.id]
+                continue
             try:
                 constants[node.targets[0].id] = ast.literal_eval(node.value)
             except ValueError:

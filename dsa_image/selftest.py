@@ -310,6 +310,8 @@ class B12xKernels:
                 "prefill": "b12x contiguous_tiled_topk"}[kind]
 
     def decode(self, inputs: dict, case: Case):
+        import inspect
+
         import torch
 
         from vllm.utils.platform_utils import num_compute_units
@@ -319,9 +321,11 @@ class B12xKernels:
         sms = num_compute_units(lens.device.index)
         out = torch.empty((sms + 1, 2), dtype=torch.int32, device=lens.device)
         schedule = b12x_indexer.build_schedule_metadata(lens, table, BLOCK_SIZE, sms, out)
-        active = torch.full((1,), case.context, dtype=torch.int32, device=lens.device)
-        logits = b12x_indexer.decode_logits(inputs["q"], inputs["weights"], inputs["cache"], table,
-                                            lens, schedule, active, BLOCK_SIZE)
+        args = [inputs["q"], inputs["weights"], inputs["cache"], table, lens, schedule]
+        if "active_width" in inspect.signature(b12x_indexer.decode_logits).parameters:
+            # The vLLM 0.24.0 overlay passes the batch's width; 0.33.0's lets b12x compute it.
+            args += [torch.full((1,), case.context, dtype=torch.int32, device=lens.device), BLOCK_SIZE]
+        logits = b12x_indexer.decode_logits(*args)
         return logits, vllm_decode_topk(logits, lens, case.topk, case.context)
 
     def prefill(self, inputs: dict, case: Case):

@@ -9,7 +9,8 @@ repository after vLLM), so ``import b12x`` finds ``b12x/`` here, then calls ``in
   ``b12x_indexer`` module is imported: the check still runs, its refusal is recorded in
   ``REFUSALS`` and printed, and the start-up goes on. The topk, cache, supertile-variable and
   b12x-release checks run unchanged (the release is that of the b12x wheel installed beside
-  vLLM, which the emulation does not replace);
+  vLLM, which the emulation does not replace: it stands in for that release, 0.30.2 for the
+  vLLM 0.24.0 overlay or 1.5.1 for the 0.33.0 one, and refuses any other; ``b12x/_release.py``);
 - with ``tap_dir``, it records the first long prefill top-k calls (``indexer_tap``).
 
 ``sitecustomize.py`` calls ``install()`` in every Python process started with this directory

@@ -51,9 +51,10 @@ class _Recorder:
         logits_fn, ops = module.fp8_fp4_mqa_logits, module.ops
         topk_fn = ops.top_k_per_row_prefill
 
-        def logits(q, kv, weights, ks, ke, clean_logits):
+        # After ke, vLLM 0.24.0 passes clean_logits=, 0.33.0 the chunk's max_seqlen_k.
+        def logits(q, kv, weights, ks, ke, *rest, **options):
             self.pending = dict(q=q[0], weights=weights, k_quant=kv[0], k_scale=kv[1], ks=ks, ke=ke)
-            return logits_fn(q, kv, weights, ks, ke, clean_logits)
+            return logits_fn(q, kv, weights, ks, ke, *rest, **options)
 
         def topk(logits_, ks, ke, indices, num_rows, stride0, stride1, k):
             topk_fn(logits_, ks, ke, indices, num_rows, stride0, stride1, k)

@@ -1,15 +1,18 @@
-"""The b12x emulation (emulation/, validation only): never in an image, the API the overlay
-calls, b12x's semantics (against the pinned wheel's own references and constants), and the
+"""The b12x emulation (emulation/, validation only): never in an image, the API each base's
+overlay calls (b12x 0.30.2's for vLLM 0.24.0, 1.5.1's for 0.33.0), b12x's semantics (against
+each pinned wheel's own references and constants), the release it stands in for, and the
 production capability check still refusing GPUs b12x has no kernels for.
 
-The emulation's numerics need torch (image test stage, or any torch install); the image-context
-and API checks need neither torch nor vLLM."""
+The emulation's numerics need torch (any torch install; they run on CPU tensors); the
+image-context, release and API checks need neither torch nor vLLM."""
 
 from __future__ import annotations
 
-import ast
+import importlib
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -17,18 +20,30 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import b12x_api
-from dsa_image.recipe import load_recipe
+from dsa_image import b12x_api, overlay
+from dsa_image.recipe import load_every_base
+from dsa_image.validation import b12x_base
 
 REPO = Path(__file__).resolve().parents[1]
 EMULATION = REPO / "emulation"
-EMULATED_INDEXER = EMULATION / "b12x" / "attention" / "indexer.py"
-# The emulation stands in for b12x 0.30's b12x.attention.indexer: the vLLM 0.24.0 overlay's API.
-EMULATED_BASE = load_recipe(vllm="0.24.0")
-OVERLAY_SOURCE = (REPO / "overlay" / "vllm-0.24.0" / b12x_api.OVERLAY_MODULE).read_text()
 
 if not EMULATION.is_dir():  # the image's test stage: emulation/ stays out of every image
     pytest.skip("emulation/ is not in this tree (never in an image)", allow_module_level=True)
+
+R = b12x_base.load_release_module(str(EMULATION))
+# Per vLLM base, the b12x release its recipe pins: the one the emulation stands in for there.
+BASE_RELEASES = {recipe.vllm_version: b12x_base.pinned_b12x(recipe.vllm_version) for recipe in load_every_base()}
+
+
+def overlay_source(vllm: str) -> str:
+    return (overlay.overlay_dir(vllm) / b12x_api.OVERLAY_MODULE).read_text()
+
+
+def pinned_wheel(vllm: str) -> Path:
+    from dsa_image import wheels
+    from tests.test_b12x_api import BASES, pinned_b12x
+
+    return wheels.ensure_wheel(*pinned_b12x(BASES[vllm]))
 
 
 # -- never in an image ------------------------------------------------------------------------
@@ -83,7 +98,8 @@ def test_the_build_context_rule(path, kept):
 
 def test_no_emulation_file_is_in_the_image_build_context():
     files = [str(p.relative_to(REPO)) for p in EMULATION.rglob("*") if p.is_file()]
-    assert "emulation/b12x/attention/indexer.py" in files and "emulation/sitecustomize.py" in files
+    assert {"emulation/b12x/attention/indexer.py", "emulation/b12x/attention/dsa_indexer/_impl.py",
+            "emulation/b12x/_emulated_indexer.py", "emulation/sitecustomize.py"} <= set(files)
     rules = dockerignore_rules()
     assert [f for f in files if in_build_context(f, rules)] == []
     assert "emulation" not in (REPO / ".dockerignore").read_text()
@@ -93,50 +109,117 @@ def test_no_emulation_file_is_in_the_image_build_context():
 def test_the_overlay_has_no_switch_for_the_emulation():
     # No name of the emulation's, no env switch it reads: it stands in for b12x only where a
     # harness puts it on the path and bypasses the capability check in its own process.
-    names = ("b12x_emulation", "indexer_tap", "DSA_INDEXER_TAP", "DSA_B12X_EMULATION", "sitecustomize")
+    names = ("b12x_emulation", "indexer_tap", "DSA_INDEXER_TAP", "DSA_B12X_EMULATION", "sitecustomize",
+             R.RELEASE_VARIABLE, "_emulated_indexer")
     for path in (REPO / "overlay").rglob("*.py"):
         text = path.read_text()
         assert not [n for n in names if n in text], path
 
 
-# -- the API the overlay calls ----------------------------------------------------------------
+# -- the release it stands in for -------------------------------------------------------------
+
+
+def test_every_base_pins_an_emulated_release():
+    assert BASE_RELEASES == {"0.24.0": "0.30.2", "0.33.0": "1.5.1"}
+    assert set(BASE_RELEASES.values()) == set(R.RELEASES)
+
+
+@pytest.mark.parametrize("switch, installed, version", [
+    ("1.5.1", None, "1.5.1"), (None, "0.30.2", "0.30.2"), ("0.30.2", "0.30.2", "0.30.2"),
+    ("", "1.5.1", "1.5.1"),
+])
+def test_the_release_is_the_sites_or_the_switchs(switch, installed, version):
+    assert R.resolve(switch, installed) is R.RELEASES[version]
+
+
+@pytest.mark.parametrize("switch, installed, words", [
+    ("1.5.1", "0.30.2", "DSA_B12X_EMULATED_RELEASE=1.5.1, but this site has b12x 0.30.2"),
+    (None, None, "no b12x release to emulate: install the b12x wheel"),
+    (None, "1.5.2", "b12x 1.5.2 is not emulated (emulated: 0.30.2, 1.5.1)"),
+    ("0.30.1", None, "b12x 0.30.1 is not emulated"),
+])
+def test_no_release_or_another_is_refused_at_import(switch, installed, words):
+    with pytest.raises(ImportError, match=re.escape(words)):
+        R.resolve(switch, installed)
+
+
+def test_each_releases_variables_and_modules():
+    old, new = R.RELEASES["0.30.2"], R.RELEASES["1.5.1"]
+    assert old.supertile_variable == "B12X_NSA_TOPK_SUPERTILE_K"
+    assert new.supertile_variable == "B12X_DSA_TOPK_SUPERTILE_K"
+    assert new.prefill_block_k_variable == "B12X_DSA_CONTIGUOUS_PREFILL_BLOCK_K"
+    assert old.modules == ("b12x.attention.indexer",)
+    assert new.modules == ("b12x.attention.dsa_indexer", "b12x.attention.dsa_indexer._impl")
+
+
+def import_emulated(module: str, release: str) -> subprocess.CompletedProcess:
+    """``import module`` in a fresh interpreter with only the emulation on its path (no torch
+    needed: a module of another release is refused before the numerics load)."""
+    env = {**os.environ, "PYTHONPATH": str(EMULATION), R.RELEASE_VARIABLE: release}
+    return subprocess.run([sys.executable, "-S", "-c", f"import {module}"], capture_output=True, text=True,
+                          env=env, cwd=str(EMULATION))
+
+
+@pytest.mark.parametrize("release, module, missing", [
+    ("1.5.1", "b12x.attention.indexer", "b12x.attention.indexer"),
+    ("0.30.2", "b12x.attention.dsa_indexer._impl", "b12x.attention.dsa_indexer"),  # as Python says
+])
+def test_a_module_of_the_other_release_is_not_there(release, module, missing):
+    done = import_emulated(module, release)
+    assert done.returncode != 0
+    assert f"ModuleNotFoundError: No module named '{missing}' in the emulated b12x {release}" in done.stderr
+
+
+def test_without_a_release_b12x_does_not_import():
+    done = import_emulated("b12x", "")
+    assert done.returncode != 0 and "ImportError: no b12x release to emulate" in done.stderr
+
+
+# -- the API the overlays call ----------------------------------------------------------------
 
 
 def emulation_as_wheel(tmp_path: Path) -> Path:
-    wheel = tmp_path / "b12x-0.30.2+emulation-py3-none-any.whl"
+    wheel = tmp_path / "b12x-0.0.0+emulation-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         for path in (EMULATION / "b12x").rglob("*.py"):
             archive.write(path, str(path.relative_to(EMULATION)))
     return wheel
 
 
-def test_the_emulation_has_every_name_and_parameter_the_overlay_calls(tmp_path):
-    assert b12x_api.problems(emulation_as_wheel(tmp_path), OVERLAY_SOURCE) == []
+@pytest.mark.parametrize("vllm", sorted(BASE_RELEASES))
+def test_the_emulation_has_every_name_and_parameter_the_overlay_calls(tmp_path, vllm):
+    assert b12x_api.problems(emulation_as_wheel(tmp_path), overlay_source(vllm)) == []
 
 
 @pytest.mark.wheel
-def test_the_emulation_mirrors_the_pinned_wheels_constants():
-    from tests.test_b12x_api import pinned_b12x
+@pytest.mark.parametrize("vllm", sorted(BASE_RELEASES))
+def test_the_emulations_signatures_are_the_pinned_wheels(tmp_path, vllm):
+    """Every function and dataclass the overlay imports takes the same parameters (names,
+    order, keyword-only, required) in the emulation as in the release its base pins."""
+    ours = b12x_api.WheelSources(emulation_as_wheel(tmp_path))
+    theirs = b12x_api.WheelSources(pinned_wheel(vllm))
+    usages = b12x_api.overlay_usage(overlay_source(vllm))
+    compared = 0
+    for module, usage in usages.items():
+        for name in usage.names:
+            want = b12x_api.api_signature(theirs, module, name)
+            assert want is not None and b12x_api.api_signature(ours, module, name) == want, f"{module}.{name}"
+            compared += 1
+    assert compared == 6
 
-    from dsa_image import wheels
 
-    wheel = wheels.ensure_wheel(*pinned_b12x(EMULATED_BASE))
-    files = b12x_api.WheelSources(wheel).files
-    expected = _emulated_constants()
-    assert len(expected) >= 15
+@pytest.mark.wheel
+@pytest.mark.parametrize("vllm", sorted(BASE_RELEASES))
+def test_the_emulation_mirrors_the_pinned_wheels_constants(vllm):
+    release = R.RELEASES[BASE_RELEASES[vllm]]
+    files = b12x_api.WheelSources(pinned_wheel(vllm)).files
+    expected = release.wheel_constants()
+    assert len(expected) >= 20
     assert b12x_api.constant_mismatches(files, expected) == []
-
-
-def _emulated_constants() -> dict:
-    tree = ast.parse(EMULATED_INDEXER.read_text())
-    constants = b12x_api.module_constants(EMULATED_INDEXER.read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
-                and n.targets[0].id == "WHEEL_CONSTANTS")
-    expected = {}
-    for key, value in zip(node.value.keys, node.value.values):
-        name = ast.literal_eval(key)
-        expected[name] = constants[value.id] if isinstance(value, ast.Name) else ast.literal_eval(value)
-    return expected
+    # A literal in a function, not a constant: the rows from which the prefill scorer runs.
+    scorer = f"_use_{'sparse_nsa' if release.tag == 'NSA' else 'dsa'}_contiguous_prefill"
+    body = files[f"{release.package}.contiguous_kernel"].split(f"def {scorer}(")[1].split("\ndef ")[0]
+    assert f"return valid_q_rows >= {R.PREFILL_SCORER_MIN_ROWS}" in body
 
 
 def test_a_changed_constant_is_reported():
@@ -145,18 +228,46 @@ def test_a_changed_constant_is_reported():
         "b12x.attention.indexer.kernel._SCHEDULE_MIN_PAGES: b12x has 2048, expected 1024"]
 
 
+def test_an_aliased_constant_is_read_through_its_alias():
+    source = "_PREFILL_BLOCK_Q = 32\n_PREFILL512_BLOCK_Q = _PREFILL_BLOCK_Q\n_OTHER = _UNKNOWN\n"
+    assert b12x_api.module_constants(source) == {"_PREFILL_BLOCK_Q": 32, "_PREFILL512_BLOCK_Q": 32}
+
+
 # -- semantics, on CPU tensors ----------------------------------------------------------------
 
 
 @pytest.fixture
-def emulated(monkeypatch):
+def fresh_b12x(monkeypatch):
+    """Imports the emulated b12x afresh (it decides its release at import) and forgets it after."""
+    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "b12x"}
+    for name in saved:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(EMULATION))
+    yield
+    for name in [n for n in sys.modules if n.split(".")[0] == "b12x"]:
+        del sys.modules[name]
+
+
+@pytest.fixture(params=sorted(R.RELEASES))
+def emulated(request, monkeypatch, fresh_b12x):
+    """The API module of each emulated release (its numerics on CPU tensors)."""
     pytest.importorskip("torch")
-    spec = importlib.util.spec_from_file_location("b12x_emulated_indexer", EMULATED_INDEXER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "REQUIRE_CUDA", False)
-    monkeypatch.delenv("B12X_NSA_TOPK_SUPERTILE_K", raising=False)
+    installed = R.installed_version()
+    if installed not in (None, request.param):
+        pytest.skip(f"b12x {installed} is installed here: the emulation stands in for that release only")
+    monkeypatch.setenv(R.RELEASE_VARIABLE, request.param)
+    for release in R.RELEASES.values():
+        for variable in (release.supertile_variable, release.prefill_threshold_variable,
+                         release.prefill_block_k_variable):
+            monkeypatch.delenv(variable, raising=False)
+    module = importlib.import_module(R.RELEASES[request.param].api_module)
+    monkeypatch.setattr(core(), "REQUIRE_CUDA", False)
     return module
+
+
+def core():
+    """The module behind both releases' API modules (its switches and records)."""
+    return sys.modules["b12x._emulated_indexer"]
 
 
 def prefill(rows=40, keys=1500, heads=4, seed=0):
@@ -198,12 +309,43 @@ def test_tiled_topk_is_the_reference_topk_whatever_the_supertile(emulated, super
     assert resolved % 256 == 0 and emulated.LAST_PREFILL["supertiles"] == -(-1500 // resolved)
 
 
-def test_tiled_topk_reads_b12xs_variable_only_without_an_argument(emulated, monkeypatch):
-    monkeypatch.setenv("B12X_NSA_TOPK_SUPERTILE_K", "700")
+def test_tiled_topk_reads_its_releases_variable_only_without_an_argument(emulated, monkeypatch):
+    ours = core().RELEASE
+    other = next(r for version, r in R.RELEASES.items() if version != ours.version)
+    monkeypatch.setenv(other.supertile_variable, "1500")  # the other release's name: not read
+    call_tiled(emulated, prefill())
+    assert emulated.LAST_PREFILL["supertile_k"] == R.SUPERTILE_K_DEFAULT
+    monkeypatch.setenv(ours.supertile_variable, "700")
     call_tiled(emulated, prefill())
     assert emulated.LAST_PREFILL["supertile_k"] == 768
     call_tiled(emulated, prefill(), supertile_k=1024)
     assert emulated.LAST_PREFILL["supertile_k"] == 1024
+
+
+def test_the_prefill_tile_follows_its_releases_variables(emulated, monkeypatch):
+    ours = core().RELEASE
+    other = next(r for version, r in R.RELEASES.items() if version != ours.version)
+    inputs = prefill(rows=4, keys=600)
+    monkeypatch.setenv(other.prefill_block_k_variable, "bogus")  # not read
+    call_tiled(emulated, inputs)
+    assert emulated.LAST_PREFILL["block_k"] == 256
+    monkeypatch.setenv(ours.prefill_threshold_variable, "1")  # the prefill scorer for 4 rows too
+    monkeypatch.setenv(ours.prefill_block_k_variable, "bogus")
+    with pytest.raises(ValueError, match=f"{ours.prefill_block_k_variable} must be auto, 256, or 512"):
+        call_tiled(emulated, inputs)
+    monkeypatch.setenv(ours.prefill_block_k_variable, "512")
+    with pytest.raises(ValueError, match="=512 is unsupported for this shape"):
+        call_tiled(emulated, inputs)
+
+
+def test_tiled_topk_refuses_zero_keys_as_b12x_does(emulated):
+    import torch
+
+    inputs = prefill(rows=2, keys=10)
+    inputs["kv_fp8"] = (inputs["kv_fp8"][0][:0], inputs["kv_fp8"][1][:0])
+    inputs["ks"], inputs["ke"] = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="Cannot determine num_k_tiles"):
+        call_tiled(emulated, inputs)
 
 
 def test_tiled_topk_writes_into_a_given_output_and_pads_short_rows(emulated):
@@ -247,7 +389,7 @@ def test_tiled_topk_refuses_what_b12x_would_not_run_in_its_kernels(emulated, mon
     if change.get("binding"):
         kwargs["binding"] = change["binding"]
     if change.get("cuda"):
-        monkeypatch.setattr(emulated, "REQUIRE_CUDA", True)
+        monkeypatch.setattr(core(), "REQUIRE_CUDA", True)
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         call_tiled(emulated, inputs, **kwargs)
 
@@ -290,6 +432,28 @@ def test_paged_logits_stop_at_the_active_width(emulated):
     inputs = paged()
     got = call_paged(emulated, inputs, active_width_override=torch.tensor([150], dtype=torch.int32))
     assert bool(torch.isinf(got[:, 150:]).all()) and bool(torch.isfinite(got[1, :150]).all())
+
+
+def test_without_an_override_the_width_is_the_longest_length_as_b12x_computes_it(emulated):
+    import torch
+
+    inputs = paged()  # lengths 1, 200, 384 of a 384-wide table
+    call_paged(emulated, inputs)
+    assert emulated.LAST_DECODE == {"rows": 3, "width": 384, "active_width": 384, "width_overridden": False}
+    inputs["lens"] = torch.tensor([1, 200, 150], dtype=torch.int32)
+    got = call_paged(emulated, inputs)
+    assert emulated.LAST_DECODE["active_width"] == 200 and bool(torch.isinf(got[:, 200:]).all())
+    call_paged(emulated, inputs, active_width_override=torch.tensor([300], dtype=torch.int32))
+    assert emulated.LAST_DECODE["active_width"] == 300 and emulated.LAST_DECODE["width_overridden"]
+
+
+def test_paged_logits_of_no_rows_are_minus_infinity(emulated):
+    import torch
+
+    inputs = paged()
+    inputs["table"], inputs["lens"] = inputs["table"][:0], inputs["lens"][:0]
+    got = call_paged(emulated, inputs)
+    assert got.shape == (5, 384) and bool(torch.isinf(got).all())
 
 
 def test_paged_logits_refuse_another_page_size(emulated):
@@ -347,10 +511,11 @@ def test_the_emulation_agrees_with_b12xs_own_references(emulated):
     import torch
 
     from dsa_image import indexer_reference as ref
-    from dsa_image import wheels
-    from tests.test_b12x_api import pinned_b12x
 
-    reference = _wheel_module(wheels.ensure_wheel(*pinned_b12x(EMULATED_BASE)), "b12x/attention/indexer/reference.py")
+    release = core().RELEASE
+    vllm = next(v for v, version in BASE_RELEASES.items() if version == release.version)
+    member = "/".join(release.package.split(".")) + "/reference.py"
+    reference = _wheel_module(pinned_wheel(vllm), member)
     inputs = paged(rows=3, columns=8, heads=8, seed=4)
     theirs = reference.paged_decode_logits_reference(
         q_fp8=inputs["q_fp8"], weights=inputs["weights"], index_k_cache=inputs["index_k_cache"].contiguous(),
@@ -369,6 +534,39 @@ def test_the_emulation_agrees_with_b12xs_own_references(emulated):
         assert ref.selection_problems(chosen[row], theirs[row], 512, 1e-5 * scale) == []
 
 
+CROSSCHECK = """
+import json
+import b12x._emulated_indexer as emulated
+from dsa_image.validation import b12x_crosscheck
+emulated.REQUIRE_CUDA = False
+b12x_crosscheck.DEVICE = "cpu"
+print(json.dumps(b12x_crosscheck.run(EMULATION), default=str))
+"""
+
+
+@pytest.mark.wheel
+@pytest.mark.parametrize("vllm", sorted(BASE_RELEASES))
+def test_the_glue_harness_crosscheck_passes_against_each_pinned_wheel(tmp_path, vllm):
+    """b12x_crosscheck as the glue harness runs it on the GPU, here on CPU tensors, with the
+    base's pinned wheel installed beside the emulation (which then stands in for it; b12x's
+    Triton schedule builder falls back to its torch one off CUDA)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    with zipfile.ZipFile(pinned_wheel(vllm)) as wheel:
+        wheel.extractall(tmp_path / "site")
+    env = {k: v for k, v in os.environ.items() if k != R.RELEASE_VARIABLE}
+    env["PYTHONPATH"] = os.pathsep.join([str(EMULATION), str(tmp_path / "site"), str(REPO)])
+    done = subprocess.run([sys.executable, "-c", CROSSCHECK.replace("EMULATION", repr(str(EMULATION)))],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["release"] == {"emulated": BASE_RELEASES[vllm], "installed": BASE_RELEASES[vllm],
+                                 "api_module": R.RELEASES[BASE_RELEASES[vllm]].api_module,
+                                 "api_module_in_wheel": True, "ok": True}
+    assert report["ok"], json.dumps(report, indent=1)[:3000]
+    assert report["constants"]["checked"] >= 20 and report["schedules"]["compared"] == 16
+
+
 def _wheel_module(wheel: Path, member: str):
     source = zipfile.ZipFile(wheel).read(member).decode()
     module = type(sys)("b12x_wheel_" + Path(member).stem)
@@ -380,11 +578,16 @@ def _wheel_module(wheel: Path, member: str):
 
 
 def run_with_emulation(code: str, startup_hook: bool) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter with the emulation first on its path; the start-up hook
+    """``code`` in a fresh interpreter with the emulation first on its path, standing in for the
+    b12x the installed vLLM's base pins (where no b12x is installed); the start-up hook
     (sitecustomize) acts only with DSA_B12X_EMULATION=1."""
+    import importlib.metadata
+
     path = os.pathsep.join([str(EMULATION), *[p for p in sys.path if p], str(REPO)])
     env = {k: v for k, v in os.environ.items() if k != "DSA_B12X_EMULATION"}
     env.update(PYTHONPATH=path, **({"DSA_B12X_EMULATION": "1"} if startup_hook else {}))
+    if R.installed_version() is None:
+        env[R.RELEASE_VARIABLE] = BASE_RELEASES[importlib.metadata.version("vllm")]
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env=env, cwd=REPO)
 
@@ -400,16 +603,26 @@ import b12x_emulation
 from vllm.v1.attention.backends.mla import b12x_indexer
 assert b12x.EMULATION
 try:
-    b12x_indexer.require_supported(TOPK, False)
+    b12x_indexer.require_supported(TOPK, False, *REQUIRE_ARGS)
 except RuntimeError as e:
     print("REFUSED", e)
 print("REFUSALS", b12x_emulation.REFUSALS)
 """
 
 
+def on_sm90(topk: int) -> str:
+    """ON_SM90 for this top-k and the installed vLLM's require_supported."""
+    import importlib.metadata
+
+    from dsa_image.validation.b12x_glue import BASES
+
+    extra = BASES[importlib.metadata.version("vllm")].require_args
+    return ON_SM90.replace("TOPK", str(topk)).replace("REQUIRE_ARGS", repr(tuple(extra)))
+
+
 def test_the_production_check_still_refuses_sm90_with_the_emulation_importable():
     pytest.importorskip("vllm")
-    done = run_with_emulation(ON_SM90.replace("TOPK", "2048"), startup_hook=False)
+    done = run_with_emulation(on_sm90(2048), startup_hook=False)
     assert "REFUSED VLLM_USE_B12X_SPARSE_INDEXER=1 needs compute capability 12.0/12.1" in done.stdout, done.stderr
     assert "this GPU is compute capability 9.0" in done.stdout
     assert "REFUSALS []" in done.stdout
@@ -419,7 +632,7 @@ def test_the_harness_bypass_skips_the_capability_check_only():
     pytest.importorskip("vllm")
     # sitecustomize installed the hook at start-up: the capability check runs and is recorded,
     # and the next check (the top-k size) still refuses.
-    done = run_with_emulation(ON_SM90.replace("TOPK", "100"), startup_hook=True)
+    done = run_with_emulation(on_sm90(100), startup_hook=True)
     assert "compute-capability check bypassed" in done.stderr, done.stderr
     assert "REFUSED VLLM_USE_B12X_SPARSE_INDEXER=1: b12x selects a top-k of 512, 1024, 2048" in done.stdout
     assert "REFUSALS ['VLLM_USE_B12X_SPARSE_INDEXER=1 needs compute capability 12.0/12.1" in done.stdout
@@ -511,7 +724,12 @@ def test_the_recorder_keeps_long_prefill_calls_and_skips_short_ones(tmp_path, mo
     assert torch.equal(doc["q"], inputs["q_fp8"].view(torch.uint8))
 
 
-def test_the_recorder_pairs_deepgemms_logits_inputs_with_its_topk_output(tmp_path, monkeypatch):
+# How each base calls DeepGEMM's prefill logits after ke: 0.24.0 by keyword, 0.33.0 positionally.
+LOGITS_TAILS = {"0.24.0": ((), {"clean_logits": False}), "0.33.0": ((600,), {})}
+
+
+@pytest.mark.parametrize("vllm", sorted(LOGITS_TAILS))
+def test_the_recorder_pairs_deepgemms_logits_inputs_with_its_topk_output(tmp_path, monkeypatch, vllm):
     import types
 
     torch = pytest.importorskip("torch")
@@ -522,12 +740,19 @@ def test_the_recorder_pairs_deepgemms_logits_inputs_with_its_topk_output(tmp_pat
         sys.path.remove(str(EMULATION))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     ops = types.SimpleNamespace(top_k_per_row_prefill=lambda logits, ks, ke, out, n, s0, s1, k: out.fill_(5))
-    module = types.SimpleNamespace(fp8_fp4_mqa_logits=lambda q, kv, w, ks, ke, clean_logits: torch.zeros(4, 600),
-                                   ops=ops)
+    rest, options = LOGITS_TAILS[vllm]
+    seen = []
+
+    def deepgemm_logits(q, kv, w, ks, ke, *args, **kwargs):
+        seen.append((args, kwargs))
+        return torch.zeros(4, 600)
+
+    module = types.SimpleNamespace(fp8_fp4_mqa_logits=deepgemm_logits, ops=ops)
     indexer_tap.with_taps({}, str(tmp_path))[indexer_tap.SPARSE_ATTN_INDEXER](module)
     inputs = causal_prefill(rows=4, keys=600)
     logits = module.fp8_fp4_mqa_logits((inputs["q_fp8"], None), inputs["kv_fp8"], inputs["weights"],
-                                       inputs["ks"], inputs["ke"], clean_logits=False)
+                                       inputs["ks"], inputs["ke"], *rest, **options)
+    assert seen == [(rest, options)]
     out = torch.zeros((4, 512), dtype=torch.int32)
     module.ops.top_k_per_row_prefill(logits, inputs["ks"], inputs["ke"], out, 4, 600, 1, 512)
     doc = torch.load(next(tmp_path.glob("deepgemm-*.pt")))

@@ -9,14 +9,17 @@ run anywhere and fix the semantics the emulation copies:
 - the constants the emulation mirrors (schedule thresholds, supported top-k sizes, the
   contiguous path's supertile variable and default, prefill tile widths).
 
-They are loaded by file from the installed wheel (``b12x`` itself resolves to the emulation
-in this process). The logits are compared with a tolerance (b12x's references compute in
-fp32, the emulation exactly), the selections up to near-ties, the schedules exactly.
+They live in the indexer package of the installed release (``b12x/attention/indexer/`` in
+0.30.2, ``b12x/attention/dsa_indexer/`` in 1.5.1), which is the release the emulation stands in
+for (``b12x/_release.py``), and are loaded by file (``b12x`` itself resolves to the emulation
+in this process). The logits are compared with a tolerance (b12x's references compute in fp32,
+the emulation exactly), the selections up to near-ties, the schedules exactly.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -46,27 +49,45 @@ def load_file(path: Path, name: str):
 def run(emulation_dir: str) -> dict:
     import torch
 
+    import b12x
+
+    release = b12x.RELEASE
+    emulated = importlib.import_module(release.api_module)
     root = real_b12x_dir(emulation_dir)
-    indexer_dir = root / "attention" / "indexer"
+    indexer_dir = module_path(root, release.package)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")  # b12x's references in full fp32, not TF32
     try:
         reference = load_file(indexer_dir / "reference.py", "b12x_wheel_reference")
-        report = {"b12x": str(root), "paged_logits": check_paged(reference),
-                  "contiguous": check_contiguous(reference),
-                  "schedules": check_schedules(load_file(indexer_dir / "schedule_metadata.py",
-                                                         "b12x_wheel_schedule_metadata")),
-                  "constants": check_constants(indexer_dir)}
+        report = {"b12x": str(root), "release": check_release(release, root),
+                  "paged_logits": check_paged(emulated, reference),
+                  "contiguous": check_contiguous(emulated, reference),
+                  "schedules": check_schedules(emulated, load_file(indexer_dir / "schedule_metadata.py",
+                                                                   "b12x_wheel_schedule_metadata")),
+                  "constants": check_constants(release, indexer_dir)}
     finally:
         torch.set_float32_matmul_precision(previous)
     report["ok"] = all(part["ok"] for part in report.values() if isinstance(part, dict))
     return report
 
 
-def check_paged(reference) -> dict:
+def module_path(root: Path, module: str) -> Path:
+    """Where ``module`` (b12x.x.y) lies under the installed package ``root``, without suffix."""
+    return root.parent.joinpath(*module.split("."))
+
+
+def check_release(release, root: Path) -> dict:
+    """The installed wheel is the release emulated, with the module the overlay imports."""
+    installed = importlib.metadata.version("b12x")
+    api = module_path(root, release.api_module)
+    has_api = api.with_suffix(".py").is_file() or (api / "__init__.py").is_file()
+    return {"emulated": release.version, "installed": installed, "api_module": release.api_module,
+            "api_module_in_wheel": has_api, "ok": installed == release.version and has_api}
+
+
+def check_paged(emulated, reference) -> dict:
     import torch
 
-    import b12x.attention.indexer as emulated
     from dsa_image import indexer_reference as ref
 
     gen = torch.Generator().manual_seed(SEED)
@@ -86,10 +107,9 @@ def check_paged(reference) -> dict:
     return _agree(theirs, ours, magnitude, topk=512)
 
 
-def check_contiguous(reference) -> dict:
+def check_contiguous(emulated, reference) -> dict:
     import torch
 
-    import b12x.attention.indexer as emulated
     from dsa_image import indexer_reference as ref
 
     gen = torch.Generator().manual_seed(SEED + 1)
@@ -139,10 +159,8 @@ def _selection_problems(logits, chosen, magnitude, topk: int) -> list[str]:
     return found
 
 
-def check_schedules(module) -> dict:
+def check_schedules(emulated, module) -> dict:
     import torch
-
-    import b12x.attention.indexer as emulated
 
     gen = torch.Generator().manual_seed(SEED + 2)
     mismatches, compared = [], 0
@@ -159,10 +177,10 @@ def check_schedules(module) -> dict:
     return {"compared": compared, "mismatches": mismatches, "ok": not mismatches}
 
 
-def check_constants(indexer_dir: Path) -> dict:
-    import b12x.attention.indexer as emulated
+def check_constants(release, indexer_dir: Path) -> dict:
     from dsa_image import b12x_api
 
-    files = {f"b12x.attention.indexer.{p.stem}": p.read_text() for p in indexer_dir.glob("*.py")}
-    mismatches = b12x_api.constant_mismatches(files, emulated.WHEEL_CONSTANTS)
-    return {"checked": len(emulated.WHEEL_CONSTANTS), "mismatches": mismatches, "ok": not mismatches}
+    files = {f"{release.package}.{p.stem}": p.read_text() for p in indexer_dir.glob("*.py")}
+    expected = release.wheel_constants()
+    mismatches = b12x_api.constant_mismatches(files, expected)
+    return {"checked": len(expected), "mismatches": mismatches, "ok": not mismatches}

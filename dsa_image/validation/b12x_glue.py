@@ -16,7 +16,15 @@ reference functions and schedule builder, loaded from the installed b12x wheel; 
 workspace, reserved as its profiling run does and then locked, never asked to grow (the
 "Workspace is locked" failure); the self-test's b12x branch on the emulation.
 
-    PYTHONPATH=emulation:SITE:REPO python -m dsa_image.validation.b12x_glue --model DIR --json OUT
+The vLLM base is the installed vLLM's (0.24.0 or 0.33.0; ``--vllm`` asserts it), and SITE must
+hold the b12x release that base pins (0.30.2 or 1.5.1), for which the emulation then stands in.
+The cases are the same on both bases but two: vLLM 0.33.0's runner hands the metadata builder
+its own block-table width, so the runner's table cannot grow past the builder's buffer there;
+the "grown_table_*" cases of 0.24.0 become "full_width_table_*" (the longest context in the
+table's last column). The prefills' small supertile is set through the base's b12x variable.
+
+    PYTHONPATH=emulation:SITE:REPO python -m dsa_image.validation.b12x_glue --model DIR --json OUT \
+        [--vllm 0.33.0]
 
 Exit 0 when every check passes. Needs a CUDA GPU, torch and vLLM with the overlay.
 """
@@ -41,9 +49,38 @@ PREFIX = "model.layers.0.self_attn.indexer.k_cache"
 LONG_MAX_MODEL_LEN = 65536
 # Where everything runs; a dry run of the harness's own code on the CPU sets "cpu".
 DEVICE = "cuda"
-# The builder's expanded table holds cdiv(8192, 64) + 8 slack columns; the runner's is 3 wider
-# and the longest context uses its last column.
+# vLLM 0.24.0: the builder's expanded table holds cdiv(8192, 64) + 8 slack columns; the
+# runner's is 3 wider and the longest context uses its last column.
 GROWN_TABLE_TOKENS = (8192 // 64 + 8 + 3) * 64
+# vLLM 0.33.0: the runner's table (and so the builder's) has cdiv(8192, 64) = 128 columns,
+# already a whole number of its 128-token alignment; the longest context uses the last one.
+FULL_TABLE_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class GlueBase:
+    """What this harness does differently per vLLM base (the b12x variables follow from the
+    release the base pins, which the emulation stands in for)."""
+
+    vllm: str
+    # Whether the runner's block table can be wider than the builder's buffer: 0.24.0's builder
+    # sizes its buffer itself; 0.33.0's runner hands the builder its own width.
+    table_grows: bool
+    # b12x_indexer.require_supported's arguments after (index_topk, use_fp4_indexer_cache).
+    require_args: tuple = ()
+    # sparse_attn_indexer's arguments after topk_indices_buffer, by name.
+    indexer_kwargs: tuple[tuple[str, object], ...] = ()
+
+
+BASES = {base.vllm: base for base in (
+    GlueBase("0.24.0", table_grows=True,
+             indexer_kwargs=(("skip_k_cache_insert", True), ("use_fp4_cache", False))),
+    # compress_ratio 1: one indexer key per token (GLM-5).
+    GlueBase("0.33.0", table_grows=False, require_args=(1,),
+             indexer_kwargs=(("skip_k_cache_insert", True), ("use_pcp", False),
+                             ("pcp_shard_decode_requests", False), ("dense_mha_metadata_layer_name", ""),
+                             ("use_fp4_cache", False))),
+)}
 
 
 @dataclass(frozen=True)
@@ -54,13 +91,16 @@ class GlueCase:
     max_model_len: int = 8192
     # Runner block-table columns beyond the builder's expanded buffer (growth).
     extra_columns: int = 0
+    # The longest context must use the runner table's last column (checked when run).
+    reaches_last_column: bool = False
     env: tuple[tuple[str, str], ...] = ()
 
 
-def glue_cases(seed: int = SEED) -> list[GlueCase]:
+def glue_cases(base: GlueBase, release, seed: int = SEED) -> list[GlueCase]:
+    """The cases on ``base``, whose b12x ``release`` (``_release.Release``) names the variables."""
     rng = np.random.default_rng(seed)
     long = LONG_MAX_MODEL_LEN
-    small_supertile = (("B12X_NSA_TOPK_SUPERTILE_K", "1024"), ("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "16"))
+    small_supertile = ((release.supertile_variable, "1024"), ("VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "16"))
     return [
         *(GlueCase(f"decode_bs{bs}", B.decode_batch(rng, f"decode_bs{bs}", bs, 1, 8192))
           for bs in (1, 8, 64, 256)),
@@ -75,16 +115,26 @@ def glue_cases(seed: int = SEED) -> list[GlueCase]:
                  B.BatchSpec("p", (3000,), (7000,)), env=small_supertile),
         GlueCase("mtp4_mixed_prefill_supertiles", B.mixed_batch(rng, "p", 6, (2500,), 8192, 4),
                  next_n=4, env=small_supertile),
-        GlueCase("grown_table_mtp4", _reaching_batch(rng, 8, 4, GROWN_TABLE_TOKENS),
-                 next_n=4, extra_columns=3),
-        GlueCase("grown_table_decode", _reaching_batch(rng, 8, 1, GROWN_TABLE_TOKENS),
-                 extra_columns=3),
+        *_table_cases(base, rng),
         *(GlueCase(f"long_decode_bs{bs}", B.decode_batch(rng, "l", bs, 1, long), max_model_len=long)
           for bs in (1, 4, 8, 16)),
         GlueCase("long_mtp2_bs4", B.decode_batch(rng, "l", 4, 2, long), next_n=2, max_model_len=long),
         GlueCase("long_prefill_on_60000", B.BatchSpec("l", (1, 1, 2000), (40000, 65000, 62000)),
                  max_model_len=long),
     ]
+
+
+def _table_cases(base: GlueBase, rng) -> list[GlueCase]:
+    """Decodes whose longest context uses the runner table's last column: past the builder's
+    buffer where the table grows (0.24.0), the builder's own last column where it cannot."""
+    if base.table_grows:
+        name, tokens, extra = "grown_table", GROWN_TABLE_TOKENS, 3
+    else:
+        name, tokens, extra = "full_width_table", FULL_TABLE_TOKENS, 0
+    return [GlueCase(f"{name}_mtp4", _reaching_batch(rng, 8, 4, tokens), next_n=4, extra_columns=extra,
+                     reaches_last_column=True),
+            GlueCase(f"{name}_decode", _reaching_batch(rng, 8, 1, tokens), extra_columns=extra,
+                     reaches_last_column=True)]
 
 
 def _reaching_batch(rng, batch, next_n, longest) -> B.BatchSpec:
@@ -140,11 +190,11 @@ def make_config(model: str, case: GlueCase):
     return config
 
 
-def run_case(model: str, case: GlueCase) -> CaseResult:
+def run_case(model: str, case: GlueCase, base: GlueBase) -> CaseResult:
     result = CaseResult(case.name, tokens=case.spec.num_tokens)
     try:
         with case_environment(case):
-            run_checked(model, case, result)
+            run_checked(model, case, base, result)
     except Exception as exc:  # noqa: BLE001 - one case failing must not hide the others
         import traceback
 
@@ -153,26 +203,46 @@ def run_case(model: str, case: GlueCase) -> CaseResult:
     return result
 
 
-def run_checked(model: str, case: GlueCase, result: CaseResult) -> None:
+def run_checked(model: str, case: GlueCase, base: GlueBase, result: CaseResult) -> None:
     from dsa_image.validation import indexer_probe
 
     config = make_config(model, case)
     builder = indexer_probe.make_builder(config)
-    width = -(-case.max_model_len // B.BLOCK_SIZE) + case.extra_columns
-    if case.extra_columns:
-        width = builder.expanded_block_table_buffer.shape[1] + case.extra_columns
+    width = runner_table_width(case, base, config, builder)
     rng = np.random.default_rng(SEED + len(case.name))
     table = B.random_block_table(rng, case.spec.num_reqs, width, max(4096, 2 * width))
     metadata, facts = build_metadata(builder, case, table)
     result.facts.update(facts)
     inputs = make_inputs(case, table, config)
-    emulated_indexer().STATS.update(max_supertiles=0, max_b12x_buffer_bytes=0, supertile_k_values=[])
-    stats_before = dict(emulated_indexer().STATS)
-    chosen = run_indexer(config, metadata, inputs)
-    result.facts["emulation"] = _stats_delta(stats_before, emulated_indexer().STATS)
+    emulated = emulated_indexer()
+    emulated.STATS.update(max_supertiles=0, max_b12x_buffer_bytes=0, supertile_k_values=[])
+    emulated.LAST_DECODE.clear()
+    stats_before = dict(emulated.STATS)
+    chosen = run_indexer(config, metadata, inputs, base)
+    result.facts["emulation"] = _stats_delta(stats_before, emulated.STATS)
+    result.facts["emulation"].update({f"decode_{k}": v for k, v in emulated.LAST_DECODE.items()})
     result.facts["b12x_buffer_budget_bytes"] = _logits_budget()
     result.facts["overlay_supertile_k"] = _supertile()
     compare_with_reference(case, inputs, chosen, result)
+
+
+def runner_table_width(case: GlueCase, base: GlueBase, config, builder) -> int:
+    """Columns of the runner's block table for this case, as vLLM's runner sizes it (plus the
+    case's growth where the base lets it grow); fails when a case cannot be what it says."""
+    from dsa_image.validation import indexer_probe
+
+    buffer = builder.expanded_block_table_buffer.shape[1]
+    hands_width = bool(getattr(builder, "requires_block_table_width", False))
+    if hands_width == base.table_grows:
+        raise RuntimeError(f"vLLM {base.vllm}'s builder {'takes' if hands_width else 'does not take'} "
+                           "the runner's block-table width: this harness's base table is wrong")
+    if case.extra_columns and not base.table_grows:
+        raise RuntimeError(f"{case.name}: vLLM {base.vllm}'s runner table cannot grow past the builder's")
+    width = buffer + case.extra_columns if case.extra_columns else indexer_probe.runner_block_table_width(config)
+    if case.reaches_last_column and -(-max(case.spec.seq_lens) // B.BLOCK_SIZE) != width:
+        raise RuntimeError(f"{case.name}: the longest context does not use the table's last column "
+                           f"(width {width})")
+    return width
 
 
 def build_metadata(builder, case: GlueCase, table: np.ndarray):
@@ -190,8 +260,9 @@ def build_metadata(builder, case: GlueCase, table: np.ndarray):
         facts.update(decode_rows=int(decode.seq_lens.numel()), decode_seq_lens_shape=list(decode.seq_lens.shape),
                      decode_table_width=int(decode.block_table.shape[1]),
                      scheduled=decode.schedule_metadata is not None,
-                     active_width=int(decode.active_width.item()),
                      exact_decode_max=int(max(case.spec.seq_lens[: metadata.num_decodes])))
+        if getattr(decode, "active_width", None) is not None:  # 0.24.0's builder passes it to b12x
+            facts["active_width"] = int(decode.active_width.item())
     if metadata.prefill is not None:
         chunks = metadata.prefill.chunks
         facts.update(prefill_chunks=len(chunks), gather_skipped=sum(c.skip_kv_gather for c in chunks),
@@ -219,7 +290,7 @@ def make_inputs(case: GlueCase, table: np.ndarray, config) -> dict:
     )
 
 
-def run_indexer(config, metadata, inputs: dict):
+def run_indexer(config, metadata, inputs: dict, base: GlueBase):
     """The overlay's sparse_attn_indexer on this batch; returns its top-k buffer rows."""
     import torch
 
@@ -232,7 +303,7 @@ def run_indexer(config, metadata, inputs: dict):
     with set_forward_context({PREFIX: metadata}, config):
         sparse_attn_indexer(hidden, PREFIX, inputs["cache"], inputs["q"], None, None, inputs["weights"],
                             128, "ue8m0", TOPK, HEAD_DIM, inputs["max_model_len"],
-                            inputs["total_seq_lens"], buffer, True, False)
+                            inputs["total_seq_lens"], buffer, **dict(base.indexer_kwargs))
     return buffer[:tokens]
 
 
@@ -281,7 +352,8 @@ def _logits_budget() -> int:
 
 
 def emulated_indexer():
-    import b12x.attention.indexer as emulated
+    """The emulation's counters and records (the same module for both releases)."""
+    import b12x._emulated_indexer as emulated
 
     return emulated
 
@@ -294,9 +366,8 @@ def case_verdict(case: GlueCase, result: CaseResult) -> list[str]:
     facts, why = result.facts, []
     if facts.get("builder_syncs"):
         why.append(f"{facts['builder_syncs']} synchronising calls in build()")
-    if "active_width" in facts and facts["active_width"] != facts["exact_decode_max"]:
-        why.append(f"active width {facts['active_width']} != exact decode max {facts['exact_decode_max']}")
     emulation = facts.get("emulation", {})
+    why += _width_verdict(facts, emulation)
     if emulation.get("max_b12x_buffer_bytes", 0) > facts.get("b12x_buffer_budget_bytes", 0):
         why.append("b12x's prefill buffers exceed the logits budget")
     if emulation.get("prefill_calls") and emulation.get("supertile_k_values") != [facts["overlay_supertile_k"]]:
@@ -309,18 +380,32 @@ def case_verdict(case: GlueCase, result: CaseResult) -> list[str]:
     return why
 
 
-def check_startup_refusal() -> dict:
+def _width_verdict(facts: dict, emulation: dict) -> list[str]:
+    """b12x's decode scored exactly up to the longest decode context: the builder's width where
+    it passes one (0.24.0), the one b12x computed on the device otherwise, as recorded."""
+    exact, why = facts.get("exact_decode_max"), []
+    if exact is None:
+        return why
+    if emulation.get("decode_calls") and "decode_active_width" not in emulation:
+        why.append("b12x's decode width was not recorded")
+    for source, width in (("builder's", facts.get("active_width")), ("b12x's", emulation.get("decode_active_width"))):
+        if width is not None and width != exact:
+            why.append(f"{source} active width {width} != exact decode max {exact}")
+    return why
+
+
+def check_startup_refusal(base: GlueBase) -> dict:
     """The production check, with the emulation importable as b12x, on this GPU."""
     from vllm.v1.attention.backends.mla import b12x_indexer
 
     try:
-        b12x_indexer.require_supported(TOPK, False)
+        b12x_indexer.require_supported(TOPK, False, *base.require_args)
     except RuntimeError as refusal:
         return {"ok": "needs compute capability 12.0/12.1" in str(refusal), "message": str(refusal)}
     return {"ok": False, "message": "no refusal"}
 
 
-def reserve_and_lock_workspace(model: str) -> dict:
+def reserve_and_lock_workspace(model: str, base: GlueBase) -> dict:
     """vLLM's profiling-run reservation for the largest case, then the lock vLLM applies."""
     import torch
 
@@ -336,7 +421,8 @@ def reserve_and_lock_workspace(model: str) -> dict:
     with set_forward_context(None, config):
         sparse_attn_indexer(torch.empty((1, 1), device=DEVICE), PREFIX, torch.empty(0, device=DEVICE),
                             torch.empty(0, device=DEVICE), None, None, torch.empty(0, device=DEVICE),
-                            128, "ue8m0", TOPK, HEAD_DIM, LONG_MAX_MODEL_LEN, total, buffer, True, False)
+                            128, "ue8m0", TOPK, HEAD_DIM, LONG_MAX_MODEL_LEN, total, buffer,
+                            **dict(base.indexer_kwargs))
     workspace.lock_workspace()
     manager = workspace.current_workspace_manager()
     return {"reserved_bytes": manager._workspace_size_bytes(manager._current_workspaces[0]),
@@ -377,11 +463,44 @@ def format_cases(results: list[CaseResult], verdicts: dict) -> str:
     return "\n".join(lines)
 
 
+def resolve_base(requested: str | None):
+    """The installed vLLM's base and the b12x release the emulation stands in for, which must
+    be the one that base's overlay calls."""
+    import importlib.metadata
+
+    from dsa_image.validation import b12x_base
+
+    version = b12x_base.choose(requested, {importlib.metadata.version("vllm")})
+    if version not in BASES:
+        raise RuntimeError(f"vLLM {version} has no b12x glue cases (bases: {', '.join(BASES)})")
+    try:
+        import b12x
+    except ImportError as exc:
+        raise RuntimeError(f"the emulated b12x cannot be imported: {exc}") from exc
+    pinned = b12x_base.pinned_b12x(version)
+    if b12x.RELEASE.version != pinned:
+        raise RuntimeError(f"the emulation stands in for b12x {b12x.RELEASE.version}, but the vLLM "
+                           f"{version} overlay calls b12x {pinned}: install that b12x in the site")
+    return BASES[version], b12x.RELEASE
+
+
+def select_cases(cases: list[GlueCase], only: str | None) -> list[GlueCase]:
+    if not only:
+        return cases
+    wanted = only.split(",")
+    unknown = sorted(set(wanted) - {c.name for c in cases})
+    if unknown:
+        raise RuntimeError(f"--only names no case of this base: {', '.join(unknown)}")
+    return [c for c in cases if c.name in wanted]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="the tiny GLM-5 model directory")
     parser.add_argument("--json", required=True, help="results file")
     parser.add_argument("--only", help="comma-separated case names")
+    parser.add_argument("--vllm", choices=sorted(BASES),
+                        help="the vLLM base this run is for: must be the installed vLLM (the default)")
     args = parser.parse_args(argv)
     if os.environ.get("DSA_B12X_EMULATION") == "1":
         parser.error("run without DSA_B12X_EMULATION: the harness first shows the production "
@@ -392,16 +511,21 @@ def main(argv=None) -> int:
     from dsa_image.validation import b12x_crosscheck
 
     b12x_emulation.check_shadowing()
+    try:
+        base, release = resolve_base(args.vllm)
+        cases = select_cases(glue_cases(base, release), args.only)
+    except RuntimeError as exc:
+        parser.error(str(exc))
     os.environ["VLLM_USE_B12X_SPARSE_INDEXER"] = "1"
-    report = {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
-              "startup_refusal": check_startup_refusal()}
+    report = {"vllm": base.vllm, "b12x_emulated": release.version,
+              "gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
+              "startup_refusal": check_startup_refusal(base)}
     from vllm.v1.attention.backends.mla import b12x_indexer
 
     b12x_emulation.bypass_capability_check(b12x_indexer)
     report["b12x_wheel_crosscheck"] = b12x_crosscheck.run(b12x_emulation.emulation_dir())
-    report["workspace"] = reserve_and_lock_workspace(args.model)
-    cases = [c for c in glue_cases() if not args.only or c.name in args.only.split(",")]
-    results = [run_case(args.model, case) for case in cases]
+    report["workspace"] = reserve_and_lock_workspace(args.model, base)
+    results = [run_case(args.model, case, base) for case in cases]
     verdicts = {r.name: case_verdict(c, r) for c, r in zip(cases, results)}
     report["cases"] = [{**asdict(r), "ok": r.ok and not verdicts[r.name], "verdict": verdicts[r.name]}
                        for r in results]
@@ -411,6 +535,7 @@ def main(argv=None) -> int:
                         and report["selftest_b12x_emulated"]["ok"])
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1, default=str)
+    print(f"vLLM {base.vllm}, emulated b12x {release.version}")
     print(format_cases(results, verdicts))
     print(report["selftest_b12x_emulated"]["table"])
     print(json.dumps({k: report[k] for k in ("startup_refusal", "b12x_wheel_crosscheck", "workspace")},

@@ -2,11 +2,16 @@
 
 Two servers side by side on one GPU, CUDA graphs on (vLLM's defaults, no --enforce-eager):
 
-- stock: vLLM 0.24.0, DeepGEMM indexer;
+- stock: the base's vLLM (0.24.0 or 0.33.0), DeepGEMM indexer;
 - b12x: vLLM with the overlay, VLLM_USE_B12X_SPARSE_INDEXER=1, ``emulation/`` first on its
   PYTHONPATH and DSA_B12X_EMULATION=1 (its sitecustomize puts the emulated b12x in place and
-  bypasses the compute-capability check in every server process), B12X_NSA_TOPK_SUPERTILE_K=2048
-  so every prompt over 2048 tokens folds several supertiles.
+  bypasses the compute-capability check in every server process), the supertile at 2048 keys
+  so every prompt over 2048 tokens folds several supertiles: B12X_NSA_TOPK_SUPERTILE_K on
+  0.24.0 (b12x 0.30.2), B12X_DSA_TOPK_SUPERTILE_K on 0.33.0 (b12x 1.5.1; its overlay refuses
+  the NSA name).
+
+The base is the vLLM both sites hold (``--vllm`` asserts it); the overlay site must hold the
+b12x release that base pins, for which the emulation stands in.
 
 Both get the same greedy requests (serving.PROMPT_LENGTHS: short and over 2,048 tokens, one by
 one, then all at once). Reported: health, errors in the logs, the kernels each server logged,
@@ -17,7 +22,7 @@ on the first call (layer 0, same inputs in both servers) the b12x side must choo
 reference's top-k, and every position where DeepGEMM chose differently must be a near-tie.
 
     python -m dsa_image.validation.b12x_serving --model DIR --stock-site S --overlay-site O \\
-        --emulation REPO/emulation --repo REPO --out DIR
+        --emulation REPO/emulation --repo REPO --out DIR [--vllm 0.33.0]
 
 A recorded run can be judged again without a GPU (the logs re-scanned, the recorded token
 comparison and tap explanations kept), written to DIR/serving-b12x.reevaluated.json:
@@ -43,7 +48,15 @@ NEAR_TIE = 2.0 ** -7
 EXPLAINED_ROWS = 64
 
 
-def start_servers(args, out: Path) -> list[dict]:
+def resolve_base(args) -> tuple[str, str]:
+    """(base, the b12x variable its overlay's prefill supertile is set with)."""
+    from dsa_image.validation import b12x_base
+
+    base = b12x_base.choose(args.vllm, {b12x_base.site_vllm(args.stock_site), b12x_base.site_vllm(args.overlay_site)})
+    return base, b12x_base.emulated_release(args.emulation, b12x_base.pinned_b12x(base)).supertile_variable
+
+
+def start_servers(args, out: Path, supertile: str) -> list[dict]:
     common = ["--kv-cache-memory-bytes", str(4 << 30), "--max-num-seqs", "16"]
     stock = serving.start_server(
         "b12x-stock", f"{args.emulation}:{args.stock_site}", args.model, 8111, str(out), common,
@@ -51,7 +64,7 @@ def start_servers(args, out: Path) -> list[dict]:
     emulated = serving.start_server(
         "b12x-emulated", f"{args.emulation}:{args.overlay_site}:{args.repo}", args.model, 8112, str(out),
         common, env_extra={"DSA_B12X_EMULATION": "1", "VLLM_USE_B12X_SPARSE_INDEXER": "1",
-                           "B12X_NSA_TOPK_SUPERTILE_K": SUPERTILE,
+                           supertile: SUPERTILE,
                            "DSA_INDEXER_TAP_DIR": str(out / "tap-b12x")})
     return [stock, emulated]
 
@@ -185,6 +198,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in ("--model", "--stock-site", "--overlay-site", "--emulation", "--repo", "--out"):
         parser.add_argument(name)
+    parser.add_argument("--vllm", help="the vLLM base: must be the one both sites hold (the default)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--reevaluate", metavar="DIR", type=Path,
                         help="judge a recorded run in DIR again (no GPU); writes DIR/serving-b12x.reevaluated.json")
@@ -200,10 +214,16 @@ def main(argv=None) -> int:
                if getattr(args, n) is None]
     if missing:
         parser.error("required unless --reevaluate: " + ", ".join("--" + n.replace("_", "-") for n in missing))
+    try:
+        base, variable = resolve_base(args)
+    except RuntimeError as exc:
+        parser.error(str(exc))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    servers = start_servers(args, out)
-    report, results = {"supertile": SUPERTILE, "prompt_lengths": serving.PROMPT_LENGTHS}, {}
+    servers = start_servers(args, out, variable)
+    report = {"vllm": base, "supertile": SUPERTILE, "supertile_variable": variable,
+              "prompt_lengths": serving.PROMPT_LENGTHS}
+    results = {}
     try:
         report["healthy_after_s"] = serving.wait_all_healthy(servers, time.monotonic() + args.timeout)
         for server in servers:

@@ -51,12 +51,14 @@ def make_vllm_config(model_dir: str, num_speculative_tokens: int):
         enforce_eager=True,
     ).create_engine_config()
     if num_speculative_tokens:
-        # The builder reads only num_speculative_tokens; a real MTP config needs
-        # a model with next-n layers, which the tiny model does not have.
+        # The builder reads only num_speculative_tokens (and, from vLLM 0.33.0,
+        # whether verification is adaptive); a real MTP config needs a model with
+        # next-n layers, which the tiny model does not have.
         object.__setattr__(
             config,
             "speculative_config",
-            types.SimpleNamespace(num_speculative_tokens=num_speculative_tokens),
+            types.SimpleNamespace(num_speculative_tokens=num_speculative_tokens,
+                                  enable_adaptive_verification=False),
         )
     return config
 
@@ -75,11 +77,26 @@ def make_builder(vllm_config, builder_cls=None):
     spec = MLAAttentionSpec(
         block_size=B.BLOCK_SIZE, num_kv_heads=1, head_size=132, dtype=torch.uint8
     )
+    kwargs = {}
+    if getattr(builder_cls, "requires_block_table_width", False):
+        # vLLM >= 0.33 hands such builders the runner's block-table width.
+        kwargs["block_table_width"] = runner_block_table_width(vllm_config)
     with set_current_vllm_config(vllm_config):
         return builder_cls(
             spec, ["model.layers.0.self_attn.indexer.k_cache"], vllm_config,
-            torch.device("cuda:0"),
+            torch.device("cuda:0"), **kwargs,
         )
+
+
+def runner_block_table_width(vllm_config) -> int:
+    """Columns of the model runner's block table: one per block of max_model_len, which vLLM
+    0.33.0's runner aligns to 128 tokens (v1/worker/utils.py); 0.24.0's does not align."""
+    blocks = -(-vllm_config.model_config.max_model_len // B.BLOCK_SIZE)
+    try:
+        from vllm.v1.worker.block_table import get_block_table_width
+    except ImportError:  # vLLM 0.24.0
+        return blocks
+    return get_block_table_width(blocks, B.BLOCK_SIZE)
 
 
 def make_common_metadata(spec: B.BatchSpec, block_table: np.ndarray):
@@ -96,6 +113,8 @@ def make_common_metadata(spec: B.BatchSpec, block_table: np.ndarray):
         for p in range(s - q, s)
     ]
     seq_cpu = torch.from_numpy(seq)
+    # vLLM 0.24.0 also takes the exact host lengths; 0.33.0 reads the upper bound only.
+    exact = {"_seq_lens_cpu": seq_cpu} if "_seq_lens_cpu" in CommonAttentionMetadata.__dataclass_fields__ else {}
     return CommonAttentionMetadata(
         query_start_loc=torch.from_numpy(qsl).to(dev),
         query_start_loc_cpu=torch.from_numpy(qsl),
@@ -107,7 +126,7 @@ def make_common_metadata(spec: B.BatchSpec, block_table: np.ndarray):
         block_table_tensor=torch.from_numpy(block_table).to(dev),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
         seq_lens_cpu_upper_bound=seq_cpu,
-        _seq_lens_cpu=seq_cpu,
+        **exact,
     )
 
 
