@@ -768,22 +768,11 @@ def wait_servers(servers: list[dict], deadline: float, expect_index_error: set[s
     """Seconds from start to healthy per server, or "error: ...". A control server (expected to
     fail with the IndexError) is settled once its log shows it: vLLM may not exit after a Ray
     worker fails, and waiting for it would hold the whole wave until the deadline."""
-    status: dict[str, float | str] = {}
-    while True:
-        for server in (s for s in servers if s["name"] not in status):
-            try:
-                if serving.is_healthy(server):
-                    status[server["name"]] = round(time.monotonic() - server["started"], 1)
-                elif server["name"] in expect_index_error and INDEX_ERROR.search(tail(Path(server["log"]), 1 << 20)):
-                    status[server["name"]] = "error: logged the IndexError (the control's expected failure)"
-            except RuntimeError as exc:  # the process exited
-                status[server["name"]] = f"error: {exc}"
-        if len(status) == len(servers) or time.monotonic() >= deadline:
-            break
-        time.sleep(poll_s)
-    for server in servers:
-        status.setdefault(server["name"], f"error: not healthy in time; see {Path(server['log']).name}")
-    return status
+    def control_failed(server: dict) -> str | None:
+        if server["name"] in expect_index_error and INDEX_ERROR.search(tail(Path(server["log"]), 1 << 20)):
+            return "logged the IndexError (the control's expected failure)"
+        return None
+    return serving_modes.wait_each_healthy(servers, deadline, poll_s, settled=control_failed)
 
 
 class Wave:

@@ -38,6 +38,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from dsa_image.validation import serving
 
@@ -265,23 +266,27 @@ def log_facts(log_path: str) -> dict:
 # -- running ------------------------------------------------------------------------------------
 
 
-def wait_each_healthy(servers: list[dict], deadline: float, poll_s: float = 1.0) -> dict[str, float | str]:
+def wait_each_healthy(servers: list[dict], deadline: float, poll_s: float = 1.0,
+                      settled: Callable[[dict], str | None] | None = None) -> dict[str, float | str]:
     """Seconds from start to healthy per server, or "error: ..." for one that exited or was
     late. Unlike serving.wait_all_healthy, one server failing (a build that cannot start in a
-    mode) does not stop the others from being waited for and used."""
+    mode) does not stop the others from being waited for and used. `settled(server)` may end
+    the wait for a server that will never be healthy, with its reason (the cluster's controls)."""
     status: dict[str, float | str] = {}
     while True:
         for server in (s for s in servers if s["name"] not in status):
             try:
                 if serving.is_healthy(server):
                     status[server["name"]] = round(time.monotonic() - server["started"], 1)
+                elif settled is not None and (reason := settled(server)):
+                    status[server["name"]] = f"error: {reason}"
             except RuntimeError as exc:  # the process exited
                 status[server["name"]] = f"error: {exc}"
         if len(status) == len(servers) or time.monotonic() >= deadline:
             break
         time.sleep(poll_s)
     for server in servers:
-        status.setdefault(server["name"], f"error: not healthy in time; see {server['log']}")
+        status.setdefault(server["name"], f"error: not healthy in time; see {Path(server['log']).name}")
     return status
 
 
