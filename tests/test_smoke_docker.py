@@ -278,13 +278,17 @@ import test_smoke_fakes as fakes
 if sys.argv[1:2] == ["selftest"]:
     print(fakes.SELFTEST_OUTPUT, end="")
     sys.exit(0)
+import threading
 time.sleep(float(os.environ.get("STAND_IN_START_DELAY", "0")))
 for line in fakes.startup_log("FLASHMLA_SPARSE", "deepgemm"):
     print(line, flush=True)
 server = fakes.FakeServer(fakes.FakeVllm("glm-5"), int(os.environ["DSA_IMAGE_PORT"]))
 print("INFO Application startup complete.", flush=True)
+# The image's warm-up finishing after /health answers: its healthcheck passes only then.
+threading.Timer(float(os.environ["STAND_IN_WARM_DELAY"]), open, ("/tmp/stand-in-warm", "w")).start()
 server.httpd.serve_forever()
 """
+STAND_IN_WARM_DELAY_S = 3
 
 
 def build_stand_in(client, base_image: str, context: Path, port: int, start_delay: float = 0) -> str:
@@ -298,8 +302,11 @@ def build_stand_in(client, base_image: str, context: Path, port: int, start_dela
     (context / "Dockerfile").write_text(
         f"FROM {base_image}\n"
         "COPY fake/ /opt/fake/\n"
-        f"ENV DSA_IMAGE_PORT={port} STAND_IN_START_DELAY={start_delay}\n"
+        f"ENV DSA_IMAGE_PORT={port} STAND_IN_START_DELAY={start_delay} STAND_IN_WARM_DELAY={STAND_IN_WARM_DELAY_S}\n"
         'ENTRYPOINT ["/opt/venv/bin/python", "/opt/fake/entry.py"]\n'
+        # Our image's healthcheck wants a `vllm serve` process and its warm-up marker; the
+        # stand-in's says the same thing of its own warm-up: healthy once it is done.
+        'HEALTHCHECK CMD ["/opt/venv/bin/python", "-c", "import os, sys; sys.exit(0 if os.path.exists(\'/tmp/stand-in-warm\') else 1)"]\n'
         "LABEL dsa-image.target=sm90 dsa-image.vllm.version=0.24.0\n"
     )
     tag = f"dsa-image-smoke-stand-in:{port}"
@@ -336,6 +343,9 @@ def test_stand_in_passes_every_check_through_the_real_engine(docker_client, stan
     assert checks["overlay_verify"]["details"]["output"] == "stand-in verify: the overlay matches the receipt"
     assert checks["indexer_selftest"]["passed"] and "decode-bs32" in checks["indexer_selftest"]["details"]["table"]
     assert "Application startup complete." in (tmp_path / "out" / "server.log").read_text()
+    # The checks waited for the image's healthcheck (its warm-up), not only for /health.
+    healthy = checks["server_healthy"]["details"]
+    assert healthy["time_to_healthy_s"] >= healthy["health_answered_s"] + STAND_IN_WARM_DELAY_S - 1.5, healthy
     assert smoke_containers(docker_client) == before
 
 
