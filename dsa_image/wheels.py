@@ -11,6 +11,7 @@ import json
 import os
 import re
 import tempfile
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -62,15 +63,33 @@ def project_of(filename: str) -> str:
     return filename.split("-", 1)[0].lower().replace("_", "-").replace(".", "-")
 
 
-def index_files(project: str, index_url: str = PYPI_SIMPLE, timeout: float = 60) -> list[IndexFile]:
+# Pauses before the second and third attempt at an index page: a resolver or connection hiccup
+# (CI met "Temporary failure in name resolution" once in ~100 pages) is not a verdict on a lock.
+INDEX_RETRY_PAUSES_S = (2.0, 5.0)
+
+
+def _transient(exc: Exception) -> bool:
+    """Worth another attempt: no answer at all, or the index's own 429/5xx; not a 404 or bad JSON."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return exc.code == 429 or exc.code >= 500
+    return isinstance(exc, (urllib.error.URLError, OSError))
+
+
+def index_files(project: str, index_url: str = PYPI_SIMPLE, timeout: float = 60,
+                pauses_s: tuple[float, ...] = INDEX_RETRY_PAUSES_S) -> list[IndexFile]:
     """The files the PEP 691 simple index lists for `project`, with their sha256."""
     url = f"{index_url.rstrip('/')}/{project}/"
     request = urllib.request.Request(url, headers={"Accept": _SIMPLE_JSON})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            page = json.load(response)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise WheelError(f"cannot read the package index {url}: {exc}") from exc
+    for attempt, pause in enumerate((*pauses_s, None), start=1):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                page = json.load(response)
+            break
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            if pause is None or not _transient(exc):
+                tries = f" (after {attempt} attempts)" if attempt > 1 else ""
+                raise WheelError(f"cannot read the package index {url}{tries}: {exc}") from exc
+            time.sleep(pause)
     files = []
     for entry in page.get("files", []):
         sha = entry.get("hashes", {}).get("sha256")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import http.server
+import io
 import json
+import socket
 import threading
+import urllib.error
 
 import pytest
 
@@ -99,3 +102,52 @@ def test_read_member(tmp_path):
         z.writestr("vllm/envs.py", b"X = 1\n")
     assert wheels.read_member(archive, "vllm/envs.py") == b"X = 1\n"
     assert wheels.read_member(archive, "vllm/absent.py") is None
+
+
+# -- the index, when the network hiccups -----------------------------------------------------------
+
+
+class _Page:
+    def __init__(self, body: bytes):
+        self.body = body
+
+    def __enter__(self):
+        return io.BytesIO(self.body)
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _index_answers(monkeypatch, answers):
+    """urlopen answering each call with the next of `answers` (an exception is raised)."""
+    calls = []
+
+    def urlopen(request, timeout):
+        calls.append(request.full_url)
+        answer = answers[len(calls) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return _Page(answer)
+    monkeypatch.setattr(wheels.urllib.request, "urlopen", urlopen)
+    return calls
+
+
+PAGE = json.dumps({"files": [{"filename": "x-1-py3-none-any.whl", "url": "x-1-py3-none-any.whl",
+                              "hashes": {"sha256": "ab" * 32}}]}).encode()
+
+
+def test_the_index_is_asked_again_after_a_name_resolution_failure(monkeypatch):
+    gaierror = urllib.error.URLError(socket.gaierror(-3, "Temporary failure in name resolution"))
+    calls = _index_answers(monkeypatch, [gaierror, urllib.error.HTTPError("u", 503, "busy", {}, None), PAGE])
+    files = wheels.index_files("x", pauses_s=(0, 0))
+    assert [f.filename for f in files] == ["x-1-py3-none-any.whl"] and len(calls) == 3
+
+
+def test_a_missing_project_or_a_network_down_for_good_fails_saying_so(monkeypatch):
+    _index_answers(monkeypatch, [urllib.error.HTTPError("u", 404, "Not Found", {}, None)])
+    with pytest.raises(wheels.WheelError, match=r"cannot read the package index .*/x/: HTTP Error 404"):
+        wheels.index_files("x", pauses_s=(0, 0))
+    down = urllib.error.URLError(socket.gaierror(-3, "Temporary failure in name resolution"))
+    _index_answers(monkeypatch, [down, down, down])
+    with pytest.raises(wheels.WheelError, match=r"\(after 3 attempts\): .*name resolution"):
+        wheels.index_files("x", pauses_s=(0, 0))
