@@ -696,16 +696,22 @@ def test_a_near_tie_swap_is_explained_and_a_wrong_choice_is_not():
     assert b12x_serving.explain_call(tap_record("deepgemm", near, other), emulated)["same_inputs"] is False
 
 
-def test_the_recorder_keeps_long_prefill_calls_and_skips_short_ones(tmp_path, monkeypatch):
-    import types
-
-    torch = pytest.importorskip("torch")
-
+def import_indexer_tap():
+    """emulation/indexer_tap.py, a top-level module of that folder (as the validation runs it)."""
     sys.path.insert(0, str(EMULATION))
     try:
         import indexer_tap
     finally:
         sys.path.remove(str(EMULATION))
+    return indexer_tap
+
+
+def test_the_recorder_keeps_long_prefill_calls_and_skips_short_ones(tmp_path, monkeypatch):
+    import types
+
+    torch = pytest.importorskip("torch")
+
+    indexer_tap = import_indexer_tap()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     module = types.SimpleNamespace(prefill_topk=lambda q, w, kq, s, ks, ke, k, out: out.fill_(3))
     patches = indexer_tap.with_taps({}, str(tmp_path))
@@ -733,11 +739,7 @@ def test_the_recorder_pairs_deepgemms_logits_inputs_with_its_topk_output(tmp_pat
     import types
 
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(EMULATION))
-    try:
-        import indexer_tap
-    finally:
-        sys.path.remove(str(EMULATION))
+    indexer_tap = import_indexer_tap()
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     ops = types.SimpleNamespace(top_k_per_row_prefill=lambda logits, ks, ke, out, n, s0, s1, k: out.fill_(5))
     rest, options = LOGITS_TAILS[vllm]

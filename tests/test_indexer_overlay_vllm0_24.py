@@ -28,6 +28,7 @@ from vllm.v1.attention.backends.mla import b12x_indexer  # noqa: E402
 from vllm.v1.attention.backends.mla import indexer  # noqa: E402
 
 from dsa_image.validation import batches as B  # noqa: E402
+from indexer_overlay_helpers import FakePlatform  # noqa: E402
 
 MB = 1024 * 1024
 
@@ -193,22 +194,6 @@ def test_b12x_chunks_one_request_each_within_the_supertile_budget(batch, logits_
 def test_b12x_decode_flattens_every_mtp_step():
     assert not b12x_indexer.decode_flattens(1)
     assert all(b12x_indexer.decode_flattens(n) for n in (2, 3, 4))
-
-
-class FakePlatform:
-    def __init__(self, capability):
-        self.capability = capability
-
-    def is_cuda(self):
-        return self.capability is not None
-
-    def is_device_capability_family(self, family, device_id=0):
-        return self.capability[0] * 10 == family
-
-    def get_device_capability(self, device_id=0):
-        from vllm.platforms.interface import DeviceCapability
-
-        return DeviceCapability(*self.capability)
 
 
 @pytest.fixture

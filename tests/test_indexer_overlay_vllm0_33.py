@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.mla import b12x_indexer  # noqa: E402
 from vllm.v1.attention.backends.mla import indexer  # noqa: E402
 
 from dsa_image.validation import batches as B  # noqa: E402
+from indexer_overlay_helpers import FakePlatform  # noqa: E402
 
 MB = 1024 * 1024
 SWITCH = "VLLM_USE_B12X_SPARSE_INDEXER"
@@ -97,22 +98,6 @@ def test_b12x_chunks_one_request_each_within_the_supertile_budget(batch, logits_
     assert B.chunk_covers_every_row_once(chunks, query.numpy(), offset)
     max_rows = b12x_indexer.prefill_rows_per_chunk(b12x_indexer.supertile_k(), topk, logits_mb * MB)
     assert all(c.stop - c.start <= max_rows for _, c in chunks)
-
-
-class FakePlatform:
-    def __init__(self, capability):
-        self.capability = capability
-
-    def is_cuda(self):
-        return self.capability is not None
-
-    def is_device_capability_family(self, family, device_id=0):
-        return self.capability[0] * 10 == family
-
-    def get_device_capability(self, device_id=0):
-        from vllm.platforms.interface import DeviceCapability
-
-        return DeviceCapability(*self.capability)
 
 
 @pytest.fixture
