@@ -250,10 +250,10 @@ def test_only_processes_carrying_our_tag_are_ours(tmp_path):
 
 
 def test_gpu_apps_are_mapped_to_gpu_indexes():
-    gpus = "0, GPU-aaa\n1, GPU-bbb\n"
-    apps = "4242, GPU-bbb, 5120\n4343, GPU-aaa, 4096\nbad line\n"
-    assert cluster.parse_gpu_apps(gpus, apps) == {4242: {"gpu": 1, "used_mib": "5120"},
-                                                  4343: {"gpu": 0, "used_mib": "4096"}}
+    gpus = "0, GPU-aaa, NVIDIA H200\n1, GPU-bbb, NVIDIA H200\n"
+    apps = "GPU-bbb, 4242, 5120\nGPU-aaa, 4343, 4096\nGPU-ccc, 4444, 1\nbad line\n"
+    assert cluster.parse_gpu_apps(gpus, apps) == {4242: {"gpu": 1, "used_mib": 5120},
+                                                  4343: {"gpu": 0, "used_mib": 4096}}
 
 
 def test_placement_names_the_gpu_and_namespaces_of_each_nodes_worker(tmp_path):

@@ -54,6 +54,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dsa_image.smoke import gpu as smoke_gpu
 from dsa_image.validation import serving, serving_modes
 from dsa_image.validation.recipes import port_accepts
 
@@ -624,30 +625,24 @@ def worker_problems(evidence: dict, plan: ClusterPlan, layout: Layout) -> list[s
     return problems
 
 
-def parse_gpu_apps(query_gpus: str, query_apps: str) -> dict[int, dict]:
-    """pid -> GPU index and memory, from `nvidia-smi --query-gpu=index,uuid` and
-    `--query-compute-apps=pid,gpu_uuid,used_memory` (csv, noheader, nounits)."""
-    index_of = {}
-    for line in query_gpus.strip().splitlines():
-        index, uuid_ = (part.strip() for part in line.split(",", 1))
-        index_of[uuid_] = int(index)
-    apps = {}
-    for line in query_apps.strip().splitlines():
-        parts = [part.strip() for part in line.split(",")]
-        if len(parts) >= 3 and parts[0].isdigit() and parts[1] in index_of:
-            apps[int(parts[0])] = {"gpu": index_of[parts[1]], "used_mib": parts[2]}
-    return apps
+def parse_gpu_apps(inventory: str, apps: str) -> dict[int, dict]:
+    """pid -> GPU index and memory (MiB), from the smoke test's nvidia-smi queries
+    (smoke.gpu.INVENTORY_QUERY and APPS_QUERY)."""
+    index_of = {gpu["uuid"]: gpu["index"] for gpu in smoke_gpu.parse_inventory(inventory)}
+    return {app["pid"]: {"gpu": index_of[app["gpu_uuid"]], "used_mib": app["used_memory_mib"]}
+            for app in smoke_gpu.parse_apps(apps) if app["gpu_uuid"] in index_of}
 
 
 def gpu_apps() -> dict[int, dict] | str:
+    """parse_gpu_apps of this host, or why nvidia-smi could not say."""
+    answers = [smoke_gpu.host_runner(query) for query in (smoke_gpu.INVENTORY_QUERY, smoke_gpu.APPS_QUERY)]
+    for code, output in answers:
+        if code != 0:
+            return f"nvidia-smi exited {code}: {output.strip()[-500:]}"
     try:
-        gpus = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, check=False, timeout=30)
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
-                               "--format=csv,noheader,nounits"], capture_output=True, text=True, check=False, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"nvidia-smi: {type(exc).__name__}: {exc}"
-    return parse_gpu_apps(gpus.stdout, apps.stdout)
+        return parse_gpu_apps(answers[0][1], answers[1][1])
+    except ValueError as exc:
+        return f"nvidia-smi: {exc}"
 
 
 def _namespace(pid: int | str, kind: str, proc_root: str = "/proc") -> str | None:
