@@ -546,6 +546,13 @@ def cluster_dir(address):
     return d
 
 
+def write_atomically(path, doc):
+    """A reader polling the folder never meets half a file."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(doc))
+    os.replace(part, path)
+
+
 def ray_start(args):
     ip, name = flag(args, "--node-ip-address"), flag(args, "--node-name")
     if "--head" in args:
@@ -570,14 +577,18 @@ def ray_start(args):
         os.symlink(session, Path(temp, "session_latest"))
     node = {"node_id": uuid.uuid4().hex, "name": name, "ip": ip, "gpus": float(flag(args, "--num-gpus")),
             "hostname": Path("/proc/sys/kernel/hostname").read_text().strip()}
-    (cluster_dir(address) / "nodes" / f"{name}.json").write_text(json.dumps(node))
+    write_atomically(cluster_dir(address) / "nodes" / f"{name}.json", node)
     print(f"started {name} at {ip}", flush=True)
     while True:
         time.sleep(1)
 
 
 def evidence(args):
-    d = cluster_dir(args[2])
+    # As the real script does: wait (up to its timeout) for the expected number of nodes, since a
+    # worker node registers some time after the head opens its GCS port (slow on a loaded CI host).
+    d, expected, deadline = cluster_dir(args[2]), int(args[3]), time.monotonic() + float(args[4])
+    while len(list((d / "nodes").glob("*.json"))) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
     nodes = [json.loads(p.read_text()) for p in sorted((d / "nodes").glob("*.json"))]
     actors = [json.loads(p.read_text()) for p in sorted((d / "actors").glob("*.json"))]
     print("EVIDENCE " + json.dumps({"nodes": nodes, "actors": actors}))
@@ -624,7 +635,7 @@ def serve(args):
             for g in range(int(node["gpus"])):
                 actor = {"class": "RayWorkerProc", "name": f"w-{node['name']}-{g}", "state": "ALIVE",
                          "pid": os.getpid(), "ip": node["ip"], "node_id": node["node_id"]}
-                (d / "actors" / f"{actor['name']}.json").write_text(json.dumps(actor))
+                write_atomically(d / "actors" / f"{actor['name']}.json", actor)
                 print(f"(RayWorkerProc pid={os.getpid()}, ip={node['ip']}) INFO 11-30 12:00:01 [x.py:1] "
                       f"Using ['PYNCCL'] all-reduce backends (in dispatch order) for group 'tp:0' out of "
                       f"potential backends: ['CUSTOM'].")
