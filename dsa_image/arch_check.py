@@ -24,24 +24,39 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# vLLM extensions whose kernels exist for some GPU families only, by design upstream, with
-# the compute-capability majors they must cover when a target is of that family. Measured
-# on the 0.24.0 wheel (`cuobjdump --list-elf`): FlashMLA sm_90/sm_100, FA3 sm_90,
-# QuTLASS sm_100. Every other extension with device code must cover every target arch.
-FAMILY_EXTENSIONS: dict[str, frozenset[int]] = {
+@dataclass(frozen=True)
+class ExtensionTable:
+    """What one vLLM release's wheel carries, measured with `cuobjdump --list-elf/--list-ptx`.
+    `family`: extensions whose kernels exist for some GPU families only, by design upstream,
+    with the compute-capability majors they must cover when a target is of that family (and
+    must then exist). `host_only`: extensions without device code. Every other extension must
+    carry code for every target arch; one without device code fails: a new vLLM must be looked at."""
+
+    family: dict[str, frozenset[int]]
+    host_only: frozenset[str]
+
+
+_FAMILY_0_24 = {
     "_flashmla_C": frozenset({9, 10}),  # FlashMLA: Hopper and datacenter Blackwell only
     "_flashmla_extension_C": frozenset({9, 10}),
     "_vllm_fa3_C": frozenset({9}),  # FlashAttention 3: Hopper only
     "_qutlass_C": frozenset({10}),  # QuTLASS FP4 kernels: datacenter Blackwell only
 }
+# Per vLLM release, from its amd64 wheel; the arm64 wheel carries the same set. A release
+# without a table is refused: its extensions have not been looked at.
+EXTENSION_TABLES: dict[str, ExtensionTable] = {
+    # DeepGEMM's `_C` compiles its kernels at run time.
+    "0.24.0": ExtensionTable(_FAMILY_0_24, frozenset({"cumem_allocator", "spinloop", "_rust_tool_parser", "_C"})),
+    # New in 0.33.0: `_deepselect_C` (sm_100 SASS only), `_flashkda_C` (sm_90a, sm_100, sm_120:
+    # every target, so no family entry), host-only `fs_io_C` and DeepGEMM's `_C_extension`
+    # (its kernels still compiled at run time); `_rust_tool_parser` and DeepGEMM's `_C` are gone.
+    "0.33.0": ExtensionTable({**_FAMILY_0_24, "_deepselect_C": frozenset({10})},
+                             frozenset({"cumem_allocator", "spinloop", "fs_io_C", "_C_extension"})),
+}
 
 # Extensions that must exist and carry device code: the model's own kernels. Their absence
 # means a CPU-only or otherwise different wheel was installed.
 CORE_EXTENSIONS = ("_C_stable_libtorch", "_moe_C_stable_libtorch")
-
-# Extensions that are host code only in 0.24.0 (DeepGEMM's `_C` compiles its kernels at run
-# time). Any other extension without device code fails the check: a new vLLM must be looked at.
-HOST_ONLY_EXTENSIONS = frozenset({"cumem_allocator", "spinloop", "_rust_tool_parser", "_C"})
 
 _ARCH = re.compile(r"\.sm_(\d+)([af]?)\.(cubin|ptx)$")
 
@@ -158,9 +173,31 @@ def extension_name(path: Path) -> str:
     return path.name.split(".", 1)[0]
 
 
-def required_capabilities(name: str, targets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def installed_vllm_version(site_packages: Path) -> str:
+    """The Version of the one vllm-*.dist-info in site_packages."""
+    found = sorted(site_packages.glob("vllm-*.dist-info"))
+    if len(found) != 1:
+        raise ArchCheckError(f"{site_packages}: expected one vllm-*.dist-info, found {len(found)} "
+                             f"({', '.join(p.name for p in found) or 'none'}); install vLLM with pip")
+    for line in (found[0] / "METADATA").read_text(errors="replace").splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    raise ArchCheckError(f"{found[0] / 'METADATA'}: no Version line")
+
+
+def extension_table(version: str) -> ExtensionTable:
+    try:
+        return EXTENSION_TABLES[version]
+    except KeyError:
+        raise ArchCheckError(
+            f"vLLM {version}: no extension table in arch_check (known: {', '.join(EXTENSION_TABLES)}); list "
+            "each vllm/**/*.so of its wheel with `cuobjdump --list-elf --list-ptx` and add one to "
+            "EXTENSION_TABLES") from None
+
+
+def required_capabilities(name: str, targets: list[tuple[int, int]], table: ExtensionTable) -> list[tuple[int, int]]:
     """The target capabilities extension `name` must run on."""
-    families = FAMILY_EXTENSIONS.get(name)
+    families = table.family.get(name)
     if families is None:
         return list(targets)
     return [t for t in targets if t[0] in families]
@@ -178,8 +215,9 @@ class ExtensionResult:
         return not self.missing
 
 
-def evaluate_extension(path: str, name: str, codes: list[Code], targets: list[tuple[int, int]]) -> ExtensionResult:
-    required = [] if name in HOST_ONLY_EXTENSIONS else required_capabilities(name, targets)
+def evaluate_extension(path: str, name: str, codes: list[Code], targets: list[tuple[int, int]],
+                       table: ExtensionTable) -> ExtensionResult:
+    required = [] if name in table.host_only else required_capabilities(name, targets, table)
     missing = [t for t in required if not any(c.runs_on(*t) for c in codes)]
     return ExtensionResult(
         path=path,
@@ -190,35 +228,38 @@ def evaluate_extension(path: str, name: str, codes: list[Code], targets: list[tu
 
 
 def check_extensions(site_packages: Path, targets: list[tuple[int, int]], cuobjdump: Path) -> list[ExtensionResult]:
-    """Check every compiled extension under site-packages/vllm; raise when one that must run on
-    a target capability cannot, or when a core extension is missing or host-only."""
+    """Check every compiled extension under site-packages/vllm against the installed release's
+    table; raise when one that must run on a target capability cannot, or when a core extension
+    is missing or host-only."""
     package = site_packages / "vllm"
     if not package.is_dir():
         raise ArchCheckError(f"{package}: not a directory; expected vLLM installed in {site_packages}")
+    version = installed_vllm_version(site_packages)
+    table = extension_table(version)
     results, found = [], {}
     for binary in sorted(package.rglob("*.so")):
         name = extension_name(binary)
         codes = list_codes(cuobjdump, binary)
         found.setdefault(name, []).append(bool(codes))
-        results.append(evaluate_extension(str(binary.relative_to(site_packages)), name, codes, targets))
+        results.append(evaluate_extension(str(binary.relative_to(site_packages)), name, codes, targets, table))
     problems = [
         f"{r.path}: carries {', '.join(r.codes) or 'no device code'}; nothing that runs on {', '.join(r.missing)}"
         for r in results if not r.ok
     ]
     problems += [
-        f"{r.path}: no device code, and it is not a known host-only extension "
-        f"({', '.join(sorted(HOST_ONLY_EXTENSIONS))}); look at it and extend arch_check's tables"
-        for r in results if r.ok and not r.codes and extension_name(Path(r.path)) not in HOST_ONLY_EXTENSIONS
+        f"{r.path}: no device code, and it is not a host-only extension of vLLM {version} "
+        f"({', '.join(sorted(table.host_only))}); look at it and extend its EXTENSION_TABLES entry"
+        for r in results if r.ok and not r.codes and extension_name(Path(r.path)) not in table.host_only
     ]
     for name in CORE_EXTENSIONS:
         if not any(found.get(name, [])):
             problems.append(f"vllm/{name}*.so: missing or without device code; a CUDA build of vLLM has it")
-    for name, families in FAMILY_EXTENSIONS.items():
+    for name, families in table.family.items():
         if any(t[0] in families for t in targets) and not any(found.get(name, [])):
             problems.append(f"vllm/**/{name}*.so: missing or without device code; targets "
                             f"{', '.join(f'{a}.{b}' for a, b in targets)} need it")
     if problems:
-        raise ArchCheckError("vLLM cannot run on the image's GPUs:\n  " + "\n  ".join(problems))
+        raise ArchCheckError(f"vLLM {version} cannot run on the image's GPUs:\n  " + "\n  ".join(problems))
     return results
 
 

@@ -67,11 +67,17 @@ def test_parse_capability_rejects_other_spellings(text):
 
 
 def test_family_extensions_are_required_only_on_their_family():
-    targets = [(12, 0), (12, 1)]
-    assert arch_check.required_capabilities("_flashmla_C", targets) == []
-    assert arch_check.required_capabilities("_flashmla_C", [(9, 0)]) == [(9, 0)]
-    assert arch_check.required_capabilities("_vllm_fa3_C", [(10, 0)]) == []
-    assert arch_check.required_capabilities("_some_new_C", targets) == targets
+    targets, table = [(12, 0), (12, 1)], arch_check.EXTENSION_TABLES["0.24.0"]
+    assert arch_check.required_capabilities("_flashmla_C", targets, table) == []
+    assert arch_check.required_capabilities("_flashmla_C", [(9, 0)], table) == [(9, 0)]
+    assert arch_check.required_capabilities("_vllm_fa3_C", [(10, 0)], table) == []
+    assert arch_check.required_capabilities("_some_new_C", targets, table) == targets
+
+
+def test_every_base_of_the_recipe_has_an_extension_table():
+    from dsa_image.recipe import load_recipe
+
+    assert set(load_recipe().vllm_versions) <= set(arch_check.EXTENSION_TABLES)
 
 
 def test_extension_name_strips_abi_and_platform_tags():
@@ -103,8 +109,10 @@ def _fake_cuobjdump(tmp_path: Path, listings: dict[str, list[str]]) -> Path:
     return script
 
 
-def _site(tmp_path: Path, names: list[str]) -> Path:
+def _site(tmp_path: Path, names: list[str], version: str = "0.24.0") -> Path:
     site = tmp_path / "site-packages"
+    (site / f"vllm-{version}.dist-info").mkdir(parents=True, exist_ok=True)
+    (site / f"vllm-{version}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
     for name in names:
         path = site / "vllm" / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,6 +132,17 @@ WHEEL_LIKE = {
 }
 
 
+# vLLM 0.33.0's wheel, as cuobjdump lists it (sm_90a SASS shown as sm_90 here: the "a" variant
+# runs on 9.0 only, which is what the sm90 target asks for).
+WHEEL_LIKE_0_33 = {
+    **{k: v for k, v in WHEEL_LIKE.items()},
+    "_deepselect_C.abi3.so": ["sm_100.cubin"],
+    "_flashkda_C.abi3.so": ["sm_90.cubin", "sm_100.cubin", "sm_120.cubin"],
+    "fs_io_C.abi3.so": [],
+    "third_party/deep_gemm/_C_extension.abi3.so": [],
+}
+
+
 def _listings(layout: dict[str, list[str]]) -> dict[str, list[str]]:
     return {Path(k).name: v for k, v in layout.items()}
 
@@ -133,6 +152,39 @@ def test_wheel_like_layout_passes_for_every_recipe_family(tmp_path, targets):
     cuobjdump = _fake_cuobjdump(tmp_path, _listings(WHEEL_LIKE))
     results = arch_check.check_extensions(_site(tmp_path, list(WHEEL_LIKE)), targets, cuobjdump)
     assert all(r.ok for r in results) and len(results) == len(WHEEL_LIKE)
+
+
+@pytest.mark.parametrize("targets", [[(12, 0), (12, 1)], [(10, 0)], [(9, 0)]])
+def test_the_0_33_layout_passes_for_every_recipe_family_with_its_own_table(tmp_path, targets):
+    cuobjdump = _fake_cuobjdump(tmp_path, _listings(WHEEL_LIKE_0_33))
+    results = arch_check.check_extensions(_site(tmp_path, list(WHEEL_LIKE_0_33), "0.33.0"), targets, cuobjdump)
+    assert all(r.ok for r in results) and len(results) == len(WHEEL_LIKE_0_33)
+
+
+def test_a_table_is_the_releases_own(tmp_path):
+    # 0.33.0's host-only extensions under 0.24.0's table are unknown: a new vLLM must be looked at.
+    cuobjdump = _fake_cuobjdump(tmp_path, _listings(WHEEL_LIKE_0_33))
+    with pytest.raises(ArchCheckError, match=r"(?s)vLLM 0.24.0 cannot run.*_deepselect_C.abi3.so: carries sm_100; "
+                                             r"nothing that runs on 12.0.*fs_io_C.abi3.so: carries no device code"):
+        arch_check.check_extensions(_site(tmp_path, list(WHEEL_LIKE_0_33), "0.24.0"), [(12, 0)], cuobjdump)
+
+
+def test_0_33s_sm100_only_extension_is_required_on_sm100(tmp_path):
+    layout = {k: v for k, v in WHEEL_LIKE_0_33.items() if "deepselect" not in k}
+    cuobjdump = _fake_cuobjdump(tmp_path, _listings(layout))
+    arch_check.check_extensions(_site(tmp_path, list(layout), "0.33.0"), [(12, 0)], cuobjdump)
+    with pytest.raises(ArchCheckError, match=r"vllm/\*\*/_deepselect_C\*\.so: missing"):
+        arch_check.check_extensions(_site(tmp_path / "b", list(layout), "0.33.0"), [(10, 0)], cuobjdump)
+
+
+def test_a_vllm_without_a_table_or_without_dist_info_is_refused(tmp_path):
+    cuobjdump = _fake_cuobjdump(tmp_path, _listings(WHEEL_LIKE))
+    with pytest.raises(ArchCheckError, match=r"vLLM 0.99.0: no extension table in arch_check \(known: 0.24.0, 0.33.0\)"):
+        arch_check.check_extensions(_site(tmp_path, list(WHEEL_LIKE), "0.99.0"), [(12, 0)], cuobjdump)
+    bare = tmp_path / "bare"
+    (bare / "vllm").mkdir(parents=True)
+    with pytest.raises(ArchCheckError, match="expected one vllm-\\*.dist-info, found 0"):
+        arch_check.check_extensions(bare, [(12, 0)], cuobjdump)
 
 
 def test_core_extension_without_the_targets_sass_fails_and_says_what_it_carries(tmp_path):
