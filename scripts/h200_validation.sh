@@ -7,10 +7,11 @@
 #   paths    print the base and the paths above, change nothing (no GPU needed).
 #   receive  move the parts this call carried into /tmp/stage-X.Y.Z, check each against
 #            SHA256SUMS, say how many of how many are there (no GPU needed).
-#   inventory  record the H200's `pip list` (h200-pip-freeze.txt) and check it against the
-#            environment derived from the 0.24.0 runs, and that the staged bundle and the H200
-#            together hold every pin of the base (dsa_image/validation/stage.py); exit 1 says
-#            what to stage. The first call of a session, with the first part.
+#   inventory  record the H200's `pip list` (h200-pip-freeze.txt), list how it differs from
+#            the committed record staging used (docs/validation/h200-pip-freeze.txt), and check
+#            that the staged bundle and the H200 together hold every pin of the base
+#            (dsa_image/validation/stage.py); exit 1 says what to stage. The first call of a
+#            session, with the first part.
 #   install  reassemble the staged wheels, install stock vLLM into the stock site, copy it to
 #            the overlay site and apply the base's overlay there with our tool, verify, check
 #            which torch and CUDA libraries the site loads (torch_libs), make the tiny GLM-5;
@@ -53,17 +54,8 @@
 # libraries in the bundle; the site comes first on PYTHONPATH, so they shadow the H200's
 # (install checks that they do). Results go to $OUT (the summaries, and one tarball).
 #
-# The vLLM 0.33.0 proof in one session, 70 calls, about 1,240 of its 1,800 device seconds
-# (docs/validation/README.md has the table; seconds measured on 0.24.0 unless marked ~):
-#   python3 scripts/stage_h200_wheels.py --vllm 0.33.0   # here: 113 wheels, 3,968 MB, 67 parts
-#   call 1   carry part00 + SHA256SUMS + selection.txt: VLLM=0.33.0 bash scripts/h200_validation.sh receive &&
-#            VLLM=0.33.0 bash scripts/h200_validation.sh inventory                        ~20 s
-#   2-67     carry part01..part66, one each: VLLM=0.33.0 bash scripts/h200_validation.sh receive   ~7 s each
-#   68       VLLM=0.33.0 bash scripts/h200_validation.sh install &&
-#            VLLM=0.33.0 bash scripts/h200_validation.sh hosttime                         ~320 s (167)
-#   69       VLLM=0.33.0 bash scripts/h200_validation.sh serve                            248 s
-#   70       VLLM=0.33.0 bash scripts/h200_validation.sh smoke                            191 s
-#   then, while time lasts: selftest, b12x, toolchain (207 s).
+# A session's calls, with their device seconds (the vLLM 0.33.0 proof in one session):
+# docs/validation/README.md.
 #
 # Usage: [VLLM=X.Y.Z] bash scripts/h200_validation.sh PHASE (one of the above)
 set -uo pipefail
@@ -127,7 +119,7 @@ print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__ver
 inventory() {
   log "inventory: the H200's Python against vLLM $vllm's locks and the staged bundle"
   env -u PYTHONPATH python3 -m pip list --format=freeze > "$results/h200-pip-freeze.txt" || exit 1
-  cp "$results/h200-pip-freeze.txt" "$out/"
+  cp "$results/h200-pip-freeze.txt" "$results/environment.txt" "$out/"
   local staged=()
   [ -f "$stage/selection.txt" ] && staged=(--staged "$stage/selection.txt")
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.stage --vllm "$vllm" \

@@ -103,45 +103,42 @@ def test_torch_of_the_h200_counts_as_the_lock_pin_without_its_local_label():
     assert not stage.has({"x": "2.11.1"}, "x", "2.11.0")
 
 
-# --- the H200's environment, derived from the 0.24.0 runs ---------------------------------
+# --- the H200's environment, as the inventory phase recorded it ------------------------------
+
+RECORD = stage.read_record(stage.H200_RECORD)
 
 
-def test_the_derived_h200_environment_is_the_0_24_locks_less_what_those_runs_brought():
-    derived = stage.h200_environment(OLD)
-    brought = stage.brought_by_0_24(OLD)
-    assert not set(derived) & brought
-    assert {"vllm", "b12x", "ray", "nvidia-cuda-nvcc", "xgrammar", "nvidia-cutlass-dsl"} <= brought
-    assert set(derived) | brought == set(stage.needed(OLD))
-    assert derived["numpy"] == stage.needed(OLD)["numpy"].version
-
-
-def test_the_derivation_agrees_with_what_the_h200_runs_recorded():
+def test_the_record_agrees_with_what_the_h200_runs_recorded():
     python, _, torch, _, triton = RECORDED.read_text().splitlines()[2].split()
-    derived = stage.h200_environment(OLD)
     assert python.startswith(stage.PYTHON + ".")
-    assert stage.has({"torch": torch}, "torch", derived["torch"]) and derived["triton"] == triton
+    assert stage.has(RECORD, "torch", torch.split("+")[0]) and RECORD["triton"] == triton
+    assert "vllm" not in RECORD and "b12x" not in RECORD  # what every run brings
 
 
-def test_the_0_24_selection_is_what_its_runs_staged_with_the_locks_versions():
-    staged = {s.name: s.version for s in stage.plan(OLD, stage.h200_environment(OLD))}
-    assert set(staged) == stage.brought_by_0_24(OLD)
-    listed = dict(line.split("==") for line in stage.SERVING_LIST.read_text().splitlines()
-                  if line.strip() and not line.startswith("#"))
-    moved = {lock.normalize(n) for n, v in listed.items() if staged[lock.normalize(n)] != v}
-    # The hand-kept list predates the locks; these three now come at the image's versions.
-    assert moved == {"apache-tvm-ffi", "cuda-tile", "xgrammar"}
+def test_the_0_24_selection_brings_the_locks_versions_of_what_the_h200_lacks_and_not_its_torch():
+    pins = stage.needed(OLD)
+    staged = {s.name: s for s in stage.plan(OLD, RECORD)}
+    assert {"vllm", "b12x", "ray", "nvidia-cutlass-dsl", "nvidia-cuda-nvcc"} <= set(staged)
+    assert "torch" not in staged and "triton" not in staged  # the H200's are the lock's
+    # A release the H200 has at another version comes at the lock's: the image's set, not the H200's.
+    assert RECORD["transformers"] != pins["transformers"].version
+    assert staged["transformers"].why == f"the H200 has {RECORD['transformers']}"
+    assert all(s.version == pins[n].version and s.hashes == pins[n].hashes for n, s in staged.items())
+    assert {n for n, p in pins.items() if not stage.has(RECORD, n, p.version)} <= set(staged)
 
 
 def test_the_0_33_selection_brings_torch_its_cuda_set_vllm_b12x_the_toolkit_and_ray():
     pins = stage.needed(NEW)
-    staged = {s.name: s for s in stage.plan(NEW, stage.h200_environment(OLD))}
+    staged = {s.name: s for s in stage.plan(NEW, RECORD)}
     assert {"torch", "triton", "vllm", "b12x", "ray"} <= set(staged)
     assert staged["torch"].version == "2.14.0" and staged["b12x"].version == NEW.get("b12x.version")
     via = lock.parse_via((REPO / lock.common_lock(NEW, "amd64")).read_text())
     assert stage.torch_stack(via) <= set(staged)
     assert {"nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cufft"} <= set(staged)
     assert {lock.normalize(p.split("==")[0]) for p in NEW.cuda_toolkit if p.startswith("nvidia-")} <= set(staged)
-    assert "numpy" not in staged  # the same release in both bases: the H200's
+    same = [n for n, p in pins.items() if stage.has(RECORD, n, p.version) and n not in stage.torch_stack(via)
+            and n not in stage.toolkit_wheels(NEW)]
+    assert same and not set(same) & set(staged)  # what the H200 has at the lock's version stays its own
     assert all(s.version == pins[n].version and s.hashes == pins[n].hashes for n, s in staged.items())
 
 
@@ -220,30 +217,26 @@ def test_pip_gets_every_manylinux_tag_up_to_the_h200_glibc():
 # --- on the device: the inventory check -------------------------------------------------
 
 
-def freeze_of(present: dict[str, str]) -> dict[str, str]:
-    return {**present, "torch": "2.11.0+cu130"}
-
-
 def test_check_freeze_passes_when_the_bundle_and_the_h200_cover_the_base(monkeypatch):
     monkeypatch.setattr(stage, "unsupported", lambda filenames: [])
-    real = freeze_of(stage.h200_environment(OLD))
-    staged = {s.name: (s.version, f"{s.name}.whl") for s in stage.plan(NEW, real)}
-    report, problems = stage.check_freeze(NEW, real, staged)
+    staged = {s.name: (s.version, f"{s.name}.whl") for s in stage.plan(NEW, RECORD)}
+    report, problems = stage.check_freeze(NEW, RECORD, RECORD, staged)
     assert problems == []
-    assert report[0].startswith(f"derived H200 environment: {len(real)} pins; the H200 has {len(real)} of them")
+    assert report[0] == f"this H200: {len(RECORD)} packages; the same as the record staging used"
 
 
-def test_check_freeze_names_what_the_derivation_got_wrong_and_what_is_then_missing(monkeypatch):
+def test_check_freeze_names_how_the_h200_changed_and_what_is_then_missing(monkeypatch):
     monkeypatch.setattr(stage, "unsupported", lambda filenames: [])
-    derived = stage.h200_environment(OLD)
-    staged = {s.name: (s.version, f"{s.name}.whl") for s in stage.plan(NEW, derived)}
-    real = freeze_of({n: v for n, v in derived.items() if n != "numpy"})
-    real["pyyaml"] = "0.1"
-    report, problems = stage.check_freeze(NEW, real, staged)
-    assert "  absent: numpy==" + derived["numpy"] in report
-    assert any(line.startswith(f"  other version: pyyaml=={derived['pyyaml']} (the H200 has 0.1)") for line in report)
-    assert [p.split(":")[0] for p in problems] == [f"numpy=={stage.needed(NEW)['numpy'].version}",
-                                                   f"pyyaml=={stage.needed(NEW)['pyyaml'].version}"]
+    staged = {s.name: (s.version, f"{s.name}.whl") for s in stage.plan(NEW, RECORD)}
+    lost = next(n for n, p in stage.needed(NEW).items() if n not in staged)  # staging counted on the H200's
+    real = {n: v for n, v in RECORD.items() if n != lost} | {"pyyaml": "0.1", "extra-thing": "1.0"}
+    report, problems = stage.check_freeze(NEW, real, RECORD, staged)
+    assert report[0] == f"this H200: {len(real)} packages; 3 differ from the record staging used:"
+    assert f"  {lost}: recorded {RECORD[lost]}, not here" in report
+    assert "  extra-thing: not recorded, here 1.0" in report
+    assert f"  pyyaml: recorded {RECORD['pyyaml']}, here 0.1" in report
+    # pyyaml comes in the bundle at the lock's version: only the lost pin is a problem.
+    assert [p.split(":")[0] for p in problems] == [f"{lost}=={stage.needed(NEW)[lost].version}"]
 
 
 def test_a_staged_wheel_this_python_refuses_is_a_problem():
@@ -252,7 +245,7 @@ def test_a_staged_wheel_this_python_refuses_is_a_problem():
 
 
 def test_parse_freeze_refuses_a_line_that_is_not_a_pin():
-    assert stage.parse_freeze("Foo_Bar==1.0\n\n", "f") == {"foo-bar": "1.0"}
+    assert stage.parse_freeze("# recorded ...\nFoo_Bar==1.0\n\n", "f") == {"foo-bar": "1.0"}
     with pytest.raises(stage.StageError, match="f:2: expected `name==version`"):
         stage.parse_freeze("a==1\nb @ file:///x\n", "f")
 
@@ -260,8 +253,9 @@ def test_parse_freeze_refuses_a_line_that_is_not_a_pin():
 def test_the_command_line_plans_without_downloading(capsys):
     assert stage.main(["--vllm", "0.33.0", "--plan"]) == 0
     out = capsys.readouterr().out
-    count = len(stage.plan(NEW, stage.h200_environment(OLD)))
-    assert out.startswith(f"vLLM 0.33.0: {count} wheels to stage, against the H200 environment derived")
+    count = len(stage.plan(NEW, RECORD))
+    assert out.startswith(f"vLLM 0.33.0: {count} wheels to stage, against the H200's recorded `pip list` "
+                          "(docs/validation/h200-pip-freeze.txt)")
     assert "torch==2.14.0  # the H200 has 2.11.0" in out
 
 
@@ -274,6 +268,11 @@ def test_check_freeze_on_the_command_line_exits_1_and_says_how_to_restage(tmp_pa
     assert stage.main(["--vllm", "0.33.0", "--check-freeze", str(freeze), "--staged", str(selection)]) == 1
     err = capsys.readouterr().err
     assert "--vllm 0.33.0 --h200-freeze h200-pip-freeze.txt" in err and "torch==2.14.0" in err
+
+
+def test_a_missing_record_is_refused_with_how_to_make_one(tmp_path, capsys):
+    assert stage.main(["--vllm", "0.33.0", "--plan", "--h200-freeze", str(tmp_path / "none.txt")]) == 2
+    assert "the inventory phase (`bash scripts/h200_validation.sh inventory`) writes it" in capsys.readouterr().err
 
 
 # --- which torch and CUDA libraries a site loads ------------------------------------------

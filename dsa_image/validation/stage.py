@@ -4,16 +4,11 @@ The device machine has no network, and each call carries at most 64 MiB of the r
 the wheels travel as one tarball in parts of 60 MB under ``.stage/vllm-X.Y.Z/`` (git-ignored),
 one part per call, and scripts/h200_validation.sh reassembles them in /tmp/stage-X.Y.Z.
 
-What the H200 has (`h200_environment`). Its Python 3.12 (torch 2.11.0+cu130, triton 3.6.0,
-transformers ...) served stock vLLM 0.24.0 and the overlay with one bundle installed beside it
-with ``pip install --no-deps --target``: the wheels of docs/validation/h200-serving-wheels.txt
-(the ones the H200 lacked), vLLM, b12x with the CuTe DSL, the pip CUDA toolkit and Ray
-(`brought_by_0_24`). Everything else of the 0.24.0 base's amd64 locks was therefore taken from
-the H200's own environment, at the lock's version (that is what `--no-deps` beside it means).
-That is a derivation from the 0.24.0 runs, not a measurement: a pin the lock has but vLLM 0.24.0
-never imported may be missing there. The `inventory` phase of scripts/h200_validation.sh
-records the real ``pip list`` and checks it (`--check-freeze`); `--h200-freeze FILE` stages
-against such a record instead of the derivation.
+What the H200 has: its Python's ``pip list --format=freeze``, as the `inventory` phase of
+scripts/h200_validation.sh recorded it (`H200_RECORD`, docs/validation/h200-pip-freeze.txt; the
+header says when and where). Staging selects against that record; the inventory phase, the
+first call of a session, checks on the device that the record still holds there and that the
+bundle and the H200 together cover every pin of the base (`--check-freeze`).
 
 What goes in (`selection`): every pin of the base's amd64 locks (the common lock, the sm90
 image's set with vLLM, the pip CUDA toolkit and Ray; plus what the sm120 lock adds: b12x) whose
@@ -37,14 +32,9 @@ from dsa_image import lock, wheels
 from dsa_image.recipe import Recipe, RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
-SERVING_LIST = REPO / "docs" / "validation" / "h200-serving-wheels.txt"
-H200_BASE = "0.24.0"  # the base whose H200 runs tell what the H200's Python has
+H200_RECORD = REPO / "docs" / "validation" / "h200-pip-freeze.txt"
 ARCH = "amd64"
 EXTRAS_TARGET = "sm120"  # its lock adds b12x to the common set (the CuTe DSL is in both)
-# What the 0.24.0 runs staged besides the serving list (the earlier version of this module):
-# b12x and the CuTe DSL from the sm120 lock; vLLM, the toolkit and Ray are added from the recipe.
-BROUGHT_FROM_SM120_0_24 = ("b12x", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base",
-                           "nvidia-cutlass-dsl-libs-cu13")
 PART_BYTES = 60_000_000
 BUNDLE = "bundle.tar"
 SELECTION = "selection.txt"
@@ -99,25 +89,11 @@ def needed(recipe: Recipe) -> dict[str, lock.Pin]:
     return {**common, **extras}
 
 
-def brought_by_0_24(recipe_0_24: Recipe) -> set[str]:
-    """The names the 0.24.0 runs staged (so the H200 may lack them or have other versions)."""
-    listed = [line for line in SERVING_LIST.read_text().splitlines() if line.strip() and not line.startswith("#")]
-    pins = (*listed, *recipe_0_24.cuda_toolkit, *recipe_0_24.cluster_packages)
-    return {lock.split_pin(pin)[0] for pin in pins} | {lock.VLLM} | set(BROUGHT_FROM_SM120_0_24)
-
-
-def h200_environment(recipe_0_24: Recipe) -> dict[str, str]:
-    """{name: version} the H200's Python is known to have: the 0.24.0 base's amd64 pins the
-    0.24.0 runs did not bring (see the module's docstring for why, and what it cannot know)."""
-    brought = brought_by_0_24(recipe_0_24)
-    return {name: pin.version for name, pin in needed(recipe_0_24).items() if name not in brought}
-
-
 def parse_freeze(text: str, where: str) -> dict[str, str]:
-    """{name: version} of `pip list --format=freeze`."""
+    """{name: version} of `pip list --format=freeze` (a record's `#` header lines skipped)."""
     found = {}
     for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
+        if not line.strip() or line.startswith("#"):
             continue
         name, sep, version = line.strip().partition("==")
         if not sep or not name or not version:
@@ -310,19 +286,23 @@ def unsupported(filenames: list[str]) -> list[str]:
     return [f for f in filenames if not set(parse_wheel_filename(f)[3]) & accepted]
 
 
-def check_freeze(recipe: Recipe, real: dict[str, str], staged: dict[str, tuple[str, str]] | None
-                 ) -> tuple[list[str], list[str]]:
-    """(report lines, problems): the derived environment against the H200's real one; with the
+def record_changes(recorded: dict[str, str], real: dict[str, str]) -> list[str]:
+    """How this H200's packages differ from the record staging used."""
+    return sorted([f"{n}: recorded {v}, here {real[n]}" for n, v in recorded.items() if n in real and real[n] != v]
+                  + [f"{n}: recorded {v}, not here" for n, v in recorded.items() if n not in real]
+                  + [f"{n}: not recorded, here {v}" for n, v in real.items() if n not in recorded])
+
+
+def check_freeze(recipe: Recipe, real: dict[str, str], recorded: dict[str, str],
+                 staged: dict[str, tuple[str, str]] | None) -> tuple[list[str], list[str]]:
+    """(report lines, problems): this H200's packages against the record staging used; with the
     bundle's selection, every pin of the base neither in the bundle nor on the H200 at its
-    version, and every staged wheel this Python would refuse."""
-    derived = h200_environment(recipe if recipe.vllm_version == H200_BASE else load_recipe(vllm=H200_BASE))
-    differ = sorted(f"{n}=={v} (the H200 has {real[n]})" for n, v in derived.items()
-                    if n in real and not has(real, n, v))
-    absent = sorted(f"{n}=={v}" for n, v in derived.items() if n not in real)
-    same = len(derived) - len(differ) - len(absent)
-    report = [f"derived H200 environment: {len(derived)} pins; the H200 has {same} of them at those versions, "
-              f"{len(differ)} at another version, lacks {len(absent)}",
-              *(f"  other version: {line}" for line in differ), *(f"  absent: {line}" for line in absent)]
+    version, and every staged wheel this Python would refuse. A change from the record is a
+    problem only where it leaves a pin uncovered."""
+    changes = record_changes(recorded, real)
+    report = [f"this H200: {len(real)} packages; " + (f"{len(changes)} differ from the record staging used:"
+                                                      if changes else "the same as the record staging used"),
+              *(f"  {line}" for line in changes)]
     if staged is None:
         return report + ["no selection.txt given: the bundle's coverage was not checked"], []
     pins = needed(recipe)
@@ -342,13 +322,23 @@ def check_freeze(recipe: Recipe, real: dict[str, str], staged: dict[str, tuple[s
 # --- command line --------------------------------------------------------------------------
 
 
-def present_on_h200(freeze: Path | None) -> tuple[dict[str, str], str]:
-    if freeze is not None:
-        return parse_freeze(freeze.read_text(), str(freeze)), f"the H200's recorded `pip list` ({freeze})"
-    return h200_environment(load_recipe(vllm=H200_BASE)), f"the H200 environment derived from the {H200_BASE} runs"
+def read_record(freeze: Path) -> dict[str, str]:
+    try:
+        return parse_freeze(freeze.read_text(), str(freeze))
+    except FileNotFoundError as exc:
+        raise StageError(f"expected the H200's `pip list --format=freeze` at {freeze}; the inventory phase "
+                         "(`bash scripts/h200_validation.sh inventory`) writes it") from exc
 
 
-def stage(recipe: Recipe, freeze: Path | None, cache: Path, out: Path) -> int:
+def present_on_h200(freeze: Path) -> tuple[dict[str, str], str]:
+    return read_record(freeze), f"the H200's recorded `pip list` ({_shown(freeze)})"
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def stage(recipe: Recipe, freeze: Path, cache: Path, out: Path) -> int:
     present, source = present_on_h200(freeze)
     staged = plan(recipe, present)
     files = download(staged, recipe, cache)
@@ -366,14 +356,13 @@ def main(argv=None) -> int:
         epilog="Exit codes: 0 done / covered; 1 --check-freeze found pins neither staged nor on the H200; "
                "2 usage, or the locks, the record or a download are not what staging needs.")
     parser.add_argument("--vllm", metavar="VERSION", help="the recipe's base to stage (default: its default)")
-    parser.add_argument("--h200-freeze", type=Path, metavar="FILE",
-                        help="stage against this `pip list --format=freeze` of the H200 (the inventory phase's "
-                             "h200-pip-freeze.txt) instead of the environment derived from the 0.24.0 runs")
+    parser.add_argument("--h200-freeze", type=Path, metavar="FILE", default=H200_RECORD,
+                        help="the H200's `pip list --format=freeze` to stage against (default: the committed "
+                             f"record, {_shown(H200_RECORD)}; the inventory phase writes a new one)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--plan", action="store_true", help="print the selection, download nothing")
-    mode.add_argument("--h200-env", action="store_true", help="print the derived H200 environment")
     mode.add_argument("--check-freeze", type=Path, metavar="FREEZE",
-                      help="on the device: compare this `pip list --format=freeze` with the derived environment, "
+                      help="on the device: compare this `pip list --format=freeze` with the record (--h200-freeze), "
                            "and with --staged check that bundle + H200 hold every pin of the base")
     parser.add_argument("--staged", type=Path, metavar="SELECTION", help=f"the bundle's {SELECTION} (--check-freeze)")
     parser.add_argument("--cache", type=Path, default=wheels.cache_dir() / "h200-wheels")
@@ -381,12 +370,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(vllm=args.vllm)
-        if args.h200_env:
-            derived = h200_environment(load_recipe(vllm=H200_BASE))
-            print("".join(f"{n}=={v}\n" for n, v in sorted(derived.items())), end="")
-            return 0
         if args.check_freeze:
-            return _check(recipe, args.check_freeze, args.staged)
+            return _check(recipe, args.check_freeze, args.h200_freeze, args.staged)
         if args.plan:
             present, source = present_on_h200(args.h200_freeze)
             staged = plan(recipe, present)
@@ -399,16 +384,16 @@ def main(argv=None) -> int:
         return 2
 
 
-def _check(recipe: Recipe, freeze: Path, selection_file: Path | None) -> int:
+def _check(recipe: Recipe, freeze: Path, record: Path, selection_file: Path | None) -> int:
     staged = parse_selection(selection_file.read_text()) if selection_file else None
-    report, problems = check_freeze(recipe, parse_freeze(freeze.read_text(), str(freeze)), staged)
+    report, problems = check_freeze(recipe, read_record(freeze), read_record(record), staged)
     print("\n".join(report))
     if problems:
         print(f"expected the bundle and this H200 to hold every pin of vLLM {recipe.vllm_version}, found:\n  "
               + "\n  ".join(problems)
               + f"\nStage against this record (here, not on the device): `python3 scripts/stage_h200_wheels.py "
-                f"--vllm {recipe.vllm_version} --h200-freeze h200-pip-freeze.txt` and carry the new parts; a pin "
-                "vLLM never imports is harmless, but which those are is what this run would find out",
+                f"--vllm {recipe.vllm_version} --h200-freeze h200-pip-freeze.txt` (or commit it as "
+                f"{_shown(H200_RECORD)} with its header) and carry the new parts",
               file=sys.stderr)
         return 1
     print("INVENTORY: " + ("the bundle and this H200 hold every pin of the base" if staged is not None
