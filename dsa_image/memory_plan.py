@@ -1,11 +1,12 @@
 """Memory plan of a GLM-5.x serving layout: weights per GPU, KV bytes per token, KV tokens that fit.
 
 Everything is computed from a model's config (recipes/models/*.toml), a quantisation scheme, a
-GPU and vLLM 0.24.0's cache layouts; every constant below names where it comes from. It is an
-estimate, and an upper bound on the KV cache: vLLM also subtracts, at start-up, the activation
-peak of its profiling run, CUDA graphs, NCCL buffers and the CUDA context, which this plan does
-not model. What it does decide reliably is the gross case, that a layout's weights leave no room
-(or not enough for one request of max_model_len), which is when a recipe is refused.
+GPU and the cache layouts of the vLLM release served (KV_RELEASES); every constant below names
+where it comes from. It is an estimate, and an upper bound on the KV cache: vLLM also subtracts,
+at start-up, the activation peak of its profiling run, CUDA graphs, NCCL buffers and the CUDA
+context, which this plan does not model. What it does decide reliably is the gross case, that a
+layout's weights leave no room (or not enough for one request of max_model_len), which is when a
+recipe is refused.
 
 Stdlib only: the image's entrypoint imports this through serving_recipes.
 """
@@ -13,7 +14,7 @@ Stdlib only: the image's entrypoint imports this through serving_recipes.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 GIB = 2**30
@@ -281,39 +282,123 @@ def stage_weights(cfg: Mapping[str, Any], scheme: Scheme, tp: int, pp: int, mtp:
 
 
 @dataclass(frozen=True)
+class MultipleOf:
+    """A kernel block size of any multiple of `base`, as vLLM declares one (v1/attention/backend.py
+    MultipleOf); a plain int in a table below is that size exactly (worker/utils.py
+    _block_size_is_supported in 0.33.0)."""
+
+    base: int
+
+    def __str__(self) -> str:
+        return f"multiples of {self.base}"
+
+
+@dataclass(frozen=True)
 class Backend:
-    """What vLLM 0.24.0's sparse-MLA backend accepts (tests check this table against the classes)."""
+    """What one vLLM release's sparse-MLA backend accepts (tests check this table against the classes)."""
 
     name: str
     capability_majors: tuple[int, ...]
     kv_cache_dtypes: tuple[str, ...]
-    block_sizes: tuple[int, ...]
+    block_sizes: tuple[int | MultipleOf, ...]
     source: str
+    # kv_cache_dtypes the backend refuses on some of its capability_majors (supports_combination)
+    dtype_majors: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def kv_cache_dtypes_on(self, major: int) -> tuple[str, ...]:
+        """The kv_cache_dtypes it takes on a GPU of compute capability `major`.x."""
+        return tuple(d for d in self.kv_cache_dtypes if major in self.dtype_majors.get(d, self.capability_majors))
+
+    def takes_block_size(self, block: int) -> bool:
+        return any(block == s if isinstance(s, int) else block % s.base == 0 for s in self.block_sizes)
+
+    @property
+    def first_block_size(self) -> int:
+        first = self.block_sizes[0]
+        return first if isinstance(first, int) else first.base
 
 
-BACKENDS: dict[str, Backend] = {
-    "FLASHMLA_SPARSE": Backend("FLASHMLA_SPARSE", (9, 10), ("auto", "bfloat16", "fp8_ds_mla", "fp8"), (64,),
-                               "vllm/v1/attention/backends/mla/flashmla_sparse.py"),
-    "FLASHINFER_MLA_SPARSE": Backend("FLASHINFER_MLA_SPARSE", (10,),
-                                     ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3"), (32, 64),
-                                     "vllm/v1/attention/backends/mla/flashinfer_mla_sparse.py"),
-    "FLASHINFER_MLA_SPARSE_SM120": Backend("FLASHINFER_MLA_SPARSE_SM120", (12,),
-                                           ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"), (64, 256),
-                                           "vllm/v1/attention/backends/mla/flashinfer_mla_sparse.py"),
+@dataclass(frozen=True)
+class KvRelease:
+    """One vLLM release's sparse-MLA backends and packed MLA layouts: those stored as one opaque
+    record per token, by name -> bytes per token."""
+
+    backends: dict[str, Backend]
+    packed_bytes: dict[str, int]
+
+
+_FLASHINFER_MLA_SPARSE = "vllm/v1/attention/backends/mla/flashinfer_mla_sparse.py"
+# fp8_ds_mla: 512 fp8 NoPE values, 4 fp32 scales, 64 bf16 RoPE values per token
+# (flashmla_sparse.py module docstring; 0.24.0: kv_cache_interface.py MLAAttentionSpec.real_page_size_bytes,
+# 0.33.0: mla_attention.py MLAAttention.get_kv_cache_spec state_content_bytes).
+FP8_DS_MLA_BYTES = 512 + 4 * 4 + 64 * 2
+# nvfp4_ds_mla (0.33.0): 512 e2m1 NoPE values packed two per byte, 64 fp8 RoPE values, one fp8 scale
+# per 16 NoPE values (flashmla_sparse.py module docstring, MLAAttention.get_kv_cache_spec).
+NVFP4_DS_MLA_BYTES = 512 // 2 + 64 + 512 // 16
+
+# Per vLLM release, from its source; a release without an entry is refused (release()).
+KV_RELEASES: dict[str, KvRelease] = {
+    "0.24.0": KvRelease(
+        backends={
+            "FLASHMLA_SPARSE": Backend("FLASHMLA_SPARSE", (9, 10), ("auto", "bfloat16", "fp8_ds_mla", "fp8"), (64,),
+                                       "vllm/v1/attention/backends/mla/flashmla_sparse.py"),
+            "FLASHINFER_MLA_SPARSE": Backend("FLASHINFER_MLA_SPARSE", (10,),
+                                             ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3"), (32, 64),
+                                             _FLASHINFER_MLA_SPARSE),
+            "FLASHINFER_MLA_SPARSE_SM120": Backend("FLASHINFER_MLA_SPARSE_SM120", (12,),
+                                                   ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"), (64, 256),
+                                                   _FLASHINFER_MLA_SPARSE),
+        },
+        packed_bytes={"fp8_ds_mla": FP8_DS_MLA_BYTES},
+    ),
+    # Kernel block sizes are multiples now. FLASHMLA_SPARSE declares exactly 64 for a quantized
+    # cache on SM100 (get_supported_kernel_block_sizes(spec)), into which vLLM splits a block of a
+    # multiple of 64 (worker/utils.py select_common_block_size). It also takes nvfp4_ds_mla, on
+    # SM100 only (supports_combination): the plan sizes it (352 B/token); no recipe uses it.
+    "0.33.0": KvRelease(
+        backends={
+            "FLASHMLA_SPARSE": Backend("FLASHMLA_SPARSE", (9, 10),
+                                       ("auto", "bfloat16", "fp8_ds_mla", "fp8", "nvfp4_ds_mla"), (MultipleOf(64),),
+                                       "vllm/v1/attention/backends/mla/flashmla_sparse.py",
+                                       dtype_majors={"nvfp4_ds_mla": (10,)}),
+            "FLASHINFER_MLA_SPARSE": Backend("FLASHINFER_MLA_SPARSE", (10,),
+                                             ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3"), (MultipleOf(32),),
+                                             _FLASHINFER_MLA_SPARSE),
+            "FLASHINFER_MLA_SPARSE_SM120": Backend("FLASHINFER_MLA_SPARSE_SM120", (12,),
+                                                   ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"), (MultipleOf(64),),
+                                                   _FLASHINFER_MLA_SPARSE),
+        },
+        packed_bytes={"fp8_ds_mla": FP8_DS_MLA_BYTES, "nvfp4_ds_mla": NVFP4_DS_MLA_BYTES},
+    ),
 }
 
-# fp8_ds_mla: 512 fp8 NoPE values, 4 fp32 scales, 64 bf16 RoPE values per token
-# (flashmla_sparse.py module docstring; kv_cache_interface.py MLAAttentionSpec.real_page_size_bytes).
-FP8_DS_MLA_BYTES = 512 + 4 * 4 + 64 * 2
+
+def release(vllm: str) -> KvRelease:
+    try:
+        return KV_RELEASES[vllm]
+    except KeyError:
+        raise ValueError(
+            f"vLLM {vllm}: no KV facts in memory_plan (known: {', '.join(KV_RELEASES)}); read its sparse-MLA "
+            "backends (supported_kv_cache_dtypes, get_supported_kernel_block_sizes, supports_compute_capability) "
+            "and the MLA layer's cache spec, add an entry to KV_RELEASES, and run "
+            "tests/test_serving_recipes_vllm.py in its image") from None
+
+
+def backends(vllm: str) -> dict[str, Backend]:
+    return release(vllm).backends
+
+
 # Indexer key cache: index_head_dim fp8 values + one fp32 scale per 128 (deepseek_v2.py Indexer,
 # DeepseekV32IndexerCache head_dim = head_dim + head_dim // 128 * 4, uint8).
 INDEXER_QUANT_BLOCK = 128
 _DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
-def stored_kv_dtype(backend: str, kv_cache_dtype: str) -> str:
-    """The KV layout vLLM 0.24.0 actually stores (mla_attention.py
-    _canonicalize_sparse_mla_kv_cache_dtype)."""
+def stored_kv_dtype(backend: str, kv_cache_dtype: str, vllm: str) -> str:
+    """The KV layout vLLM actually stores (mla_attention.py _canonicalize_sparse_mla_kv_cache_dtype):
+    a packed layout of this release asked for by name as is, the rest as the backend converts them."""
+    if kv_cache_dtype in release(vllm).packed_bytes:
+        return kv_cache_dtype
     if backend == "FLASHMLA_SPARSE" and kv_cache_dtype not in ("auto", "bfloat16", "float16"):
         return "fp8_ds_mla"
     if backend == "FLASHINFER_MLA_SPARSE_SM120" and kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"):
@@ -321,12 +406,14 @@ def stored_kv_dtype(backend: str, kv_cache_dtype: str) -> str:
     return kv_cache_dtype
 
 
-def mla_bytes_per_token(cfg: Mapping[str, Any], backend: str, kv_cache_dtype: str) -> int:
-    stored = stored_kv_dtype(backend, kv_cache_dtype)
-    if stored == "fp8_ds_mla":
+def mla_bytes_per_token(cfg: Mapping[str, Any], backend: str, kv_cache_dtype: str, vllm: str) -> int:
+    stored = stored_kv_dtype(backend, kv_cache_dtype, vllm)
+    packed = release(vllm).packed_bytes
+    if stored in packed:
+        # every packed layout is DeepSeek V3.2's geometry
         if (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) != (512, 64):
-            raise ValueError("fp8_ds_mla needs kv_lora_rank 512 and qk_rope_head_dim 64")
-        return FP8_DS_MLA_BYTES
+            raise ValueError(f"{stored} needs kv_lora_rank 512 and qk_rope_head_dim 64")
+        return packed[stored]
     return (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * _DTYPE_BYTES[stored]
 
 
@@ -361,17 +448,17 @@ class KvPerToken:
 
 
 def kv_per_token(cfg: Mapping[str, Any], backend: str, kv_cache_dtype: str, layers: range, mtp: bool,
-                 last_stage: bool) -> KvPerToken:
+                 last_stage: bool, vllm: str) -> KvPerToken:
     """KV bytes one token takes on one GPU holding `layers`. MLA has one latent KV head: every
     tensor-parallel rank stores all of it. MTP layers always run their own indexer."""
     pattern = index_topk_pattern(cfg)
     mtp_layers = cfg["num_nextn_predict_layers"] if (mtp and last_stage) else 0
     return KvPerToken(
-        mla_per_layer=mla_bytes_per_token(cfg, backend, kv_cache_dtype),
+        mla_per_layer=mla_bytes_per_token(cfg, backend, kv_cache_dtype, vllm),
         indexer_per_layer=indexer_bytes_per_token(cfg),
         mla_layers=len(layers) + mtp_layers,
         indexer_layers=sum(1 for i in layers if pattern[i] == "F") + mtp_layers,
-        stored_dtype=stored_kv_dtype(backend, kv_cache_dtype),
+        stored_dtype=stored_kv_dtype(backend, kv_cache_dtype, vllm),
     )
 
 
@@ -433,15 +520,17 @@ def gb(value: float) -> str:
 
 
 def plan(cfg: Mapping[str, Any], scheme: Scheme, gpu: Gpu, *, tp: int, pp: int, mtp: bool, backend: str,
-         kv_cache_dtype: str, gpu_memory_utilization: float, max_model_len: int, block_size: int) -> Plan:
+         kv_cache_dtype: str, gpu_memory_utilization: float, max_model_len: int, block_size: int,
+         vllm: str) -> Plan:
     """The plan of the stage with the least room for KV: every stage holds the same tokens, so
-    that one bounds the cache."""
+    that one bounds the cache. `vllm`: the release whose KV layouts apply (KV_RELEASES)."""
     budget = gpu_memory_utilization * gpu.memory_bytes
     candidates = []
     for s in stage_weights(cfg, scheme, tp, pp, mtp):
-        kv = kv_per_token(cfg, backend, kv_cache_dtype, s.layers, mtp, last_stage=s.stage == pp - 1)
+        kv = kv_per_token(cfg, backend, kv_cache_dtype, s.layers, mtp, last_stage=s.stage == pp - 1, vllm=vllm)
         left = budget - s.bytes_per_gpu
-        # vLLM allocates whole blocks of block_size tokens (kv_cache_utils.get_num_blocks).
+        # vLLM allocates whole blocks of block_size tokens (0.24.0 kv_cache_utils.get_num_blocks,
+        # 0.33.0 kv_cache_planning.get_kv_cache_config_from_groups).
         blocks = int(left // (kv.total * block_size)) if left > 0 else 0
         candidates.append((blocks * block_size, -s.bytes_per_gpu, s, kv, left))
     tokens, _, stage, kv, left = min(candidates, key=lambda c: (c[0], c[1]))

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import memory_plan
-from .memory_plan import BACKENDS, GPUS, SCHEMES
+from .memory_plan import GPUS, SCHEMES
 from .recipe import DEFAULT_RECIPE, RECIPES_DIR, Recipe, RecipeError, load_recipe
 
 SERVE_DIR_NAME = "serve"
@@ -363,18 +363,20 @@ def check_recipe(recipe: ServeRecipe, build: Recipe) -> None:
 def check_backend(recipe: ServeRecipe, target: str, build: Recipe) -> None:
     backend, kv_dtype = attention_backend(recipe, target, build), kv_cache_dtype(recipe, target, build)
     where = f"{recipe.path} (target {target})"
-    if backend not in BACKENDS:
-        raise RecipeFileError(f"{where}: attention_backend {backend!r}: not a sparse-MLA backend of vLLM 0.24.0 "
-                              f"({', '.join(BACKENDS)})")
-    spec, gpu = BACKENDS[backend], GPUS[recipe.hardware[target]]
+    backends = memory_plan.backends(build.vllm_version)
+    if backend not in backends:
+        raise RecipeFileError(f"{where}: attention_backend {backend!r}: not a sparse-MLA backend of vLLM "
+                              f"{build.vllm_version} ({', '.join(backends)})")
+    spec, gpu = backends[backend], GPUS[recipe.hardware[target]]
     if gpu.capability[0] not in spec.capability_majors:
         raise TargetError(f"{where}: {backend} runs on compute capability {'/'.join(map(str, spec.capability_majors))}"
                           f".x, the {gpu.name} is {gpu.capability[0]}.{gpu.capability[1]}")
-    if kv_dtype not in spec.kv_cache_dtypes:
-        raise RecipeFileError(f"{where}: {backend} does not take kv_cache_dtype {kv_dtype!r}; it takes "
-                              f"{', '.join(spec.kv_cache_dtypes)}")
+    takes = spec.kv_cache_dtypes_on(gpu.capability[0])
+    if kv_dtype not in takes:
+        raise RecipeFileError(f"{where}: {backend} does not take kv_cache_dtype {kv_dtype!r} on the {gpu.name}; "
+                              f"it takes {', '.join(takes)}")
     block = recipe.vllm.get("block_size")
-    if block is not None and block not in spec.block_sizes:
+    if block is not None and not spec.takes_block_size(block):
         raise RecipeFileError(f"{where}: {backend} takes block sizes {', '.join(map(str, spec.block_sizes))}, "
                               f"not {block}")
 
@@ -469,7 +471,8 @@ def memory_plan_of(recipe: ServeRecipe, target: str, build: Recipe) -> memory_pl
         tp=recipe.tp, pp=recipe.pp, mtp=recipe.uses_mtp, backend=attention_backend(recipe, target, build),
         kv_cache_dtype=kv_cache_dtype(recipe, target, build),
         gpu_memory_utilization=recipe.vllm.get("gpu_memory_utilization", 0.92),
-        max_model_len=recipe.vllm["max_model_len"], block_size=recipe.vllm.get("block_size", 16))
+        max_model_len=recipe.vllm["max_model_len"], block_size=recipe.vllm.get("block_size", 16),
+        vllm=build.vllm_version)
 
 
 def vllm_args(recipe: ServeRecipe, target: str, build: Recipe, extra: list[str] = ()) -> list[str]:

@@ -5,6 +5,7 @@ checks the recipes against the pinned vLLM)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import shlex
 import shutil
@@ -111,6 +112,7 @@ def test_index_topk_pattern_is_vllms_and_the_published_one():
     assert memory_plan.index_topk_pattern({"num_hidden_layers": 4, "index_topk_pattern": "FS"}) == "FSFF"
 
 
+@pytest.mark.parametrize("vllm", BUILD.vllm_versions)
 @pytest.mark.parametrize("backend, dtype, stored, per_layer", [
     ("FLASHINFER_MLA_SPARSE_SM120", "fp8_ds_mla", "fp8_ds_mla", 656),
     ("FLASHINFER_MLA_SPARSE_SM120", "auto", "fp8_ds_mla", 656),
@@ -119,18 +121,37 @@ def test_index_topk_pattern_is_vllms_and_the_published_one():
     ("FLASHMLA_SPARSE", "fp8", "fp8_ds_mla", 656),
     ("FLASHMLA_SPARSE", "auto", "auto", 1152),
 ])
-def test_kv_bytes_per_token_follow_vllms_layouts(backend, dtype, stored, per_layer):
+def test_kv_bytes_per_token_follow_vllms_layouts(vllm, backend, dtype, stored, per_layer):
     cfg = model_config("glm-5")
-    assert memory_plan.stored_kv_dtype(backend, dtype) == stored
-    assert memory_plan.mla_bytes_per_token(cfg, backend, dtype) == per_layer
+    assert memory_plan.stored_kv_dtype(backend, dtype, vllm) == stored
+    assert memory_plan.mla_bytes_per_token(cfg, backend, dtype, vllm) == per_layer
     assert memory_plan.indexer_bytes_per_token(cfg) == 128 + 4
-    kv = memory_plan.kv_per_token(cfg, backend, dtype, range(78), mtp=True, last_stage=True)
+    kv = memory_plan.kv_per_token(cfg, backend, dtype, range(78), mtp=True, last_stage=True, vllm=vllm)
     assert (kv.mla_layers, kv.indexer_layers, kv.total) == (79, 79, 79 * (per_layer + 132))
+
+
+def test_nvfp4_ds_mla_is_0_33s_on_sm100_only():
+    new = load_recipe(vllm="0.33.0")
+    tiny = sr.load_serve_recipe("tiny-glm5", build=new)
+    nvfp4 = dataclasses.replace(tiny, vllm={**tiny.vllm, "attention_backend": "FLASHMLA_SPARSE",
+                                            "kv_cache_dtype": "nvfp4_ds_mla"})
+    sr.check_backend(nvfp4, "sm100", new)
+    assert sr.memory_plan_of(nvfp4, "sm100", new).kv.mla_per_layer == 352
+    with pytest.raises(sr.RecipeFileError, match="does not take kv_cache_dtype 'nvfp4_ds_mla' on the NVIDIA H200"):
+        sr.check_backend(nvfp4, "sm90", new)
+    with pytest.raises(sr.RecipeFileError, match="does not take kv_cache_dtype 'nvfp4_ds_mla'"):
+        sr.check_backend(nvfp4, "sm100", load_recipe(vllm="0.24.0"))
+
+
+def test_every_base_has_kv_facts_and_an_unknown_one_is_refused():
+    assert set(BUILD.vllm_versions) <= set(memory_plan.KV_RELEASES)
+    with pytest.raises(ValueError, match="vLLM 0.25.0: no KV facts in memory_plan .* add an entry to KV_RELEASES"):
+        memory_plan.backends("0.25.0")
 
 
 def test_indexshare_layers_have_no_indexer_cache():
     kv = memory_plan.kv_per_token(model_config("glm-5.2"), "FLASHINFER_MLA_SPARSE_SM120", "fp8_ds_mla",
-                                  range(78), mtp=True, last_stage=True)
+                                  range(78), mtp=True, last_stage=True, vllm=BUILD.vllm_version)
     assert (kv.mla_layers, kv.indexer_layers) == (79, 22)  # 21 full layers + the MTP layer
 
 

@@ -5,9 +5,11 @@ exists in this vLLM, and the cache layouts the memory plan assumes are vLLM's.""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import typing
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +20,10 @@ from dsa_image.recipe import load_recipe  # noqa: E402
 from dsa_image.validation import recipes as scaled  # noqa: E402
 
 BUILD = load_recipe(vllm=os.environ.get("DSA_IMAGE_VLLM"))  # the image's base
+BACKENDS = memory_plan.backends(BUILD.vllm_version)
 NAMES = sr.serve_recipe_names()
+GLM5 = sr.load_model("glm-5").config
+MLA_HEAD = GLM5["kv_lora_rank"] + GLM5["qk_rope_head_dim"]  # 576, the sparse-MLA head of every recipe's model
 HOSTS = {n: [f"10.0.0.{i}" for i in range(1, n + 1)] for n in (2, 4, 8)}
 
 
@@ -26,13 +31,23 @@ def test_the_pinned_vllm():
     assert vllm.__version__ == BUILD.vllm_version
 
 
+# The module vllm/entrypoints/cli/serve.py takes make_arg_parser and validate_parsed_serve_args from.
+SERVE_CLI_ARGS = {"0.24.0": "vllm.entrypoints.openai.cli_args", "0.33.0": "vllm.entrypoints.common.cli_args"}
+
+
+def serve_cli_args():
+    if BUILD.vllm_version not in SERVE_CLI_ARGS:
+        pytest.fail(f"vLLM {BUILD.vllm_version}: add the module its vllm/entrypoints/cli/serve.py imports "
+                    "make_arg_parser from to SERVE_CLI_ARGS")
+    return importlib.import_module(SERVE_CLI_ARGS[BUILD.vllm_version])
+
+
 @pytest.fixture(scope="module")
 def serve_parser():
-    """vLLM 0.24.0's `vllm serve` parser, as vllm/entrypoints/cli/serve.py builds it. Building it
+    """The base's `vllm serve` parser, as vllm/entrypoints/cli/serve.py builds it. Building it
     resolves the device; on a host without a GPU that is vLLM's UnspecifiedPlatform, which has no
     device type, so a CUDA-typed one stands in for the parser's defaults (nothing runs on it)."""
     import vllm.platforms as platforms
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.platforms.interface import UnspecifiedPlatform
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -44,7 +59,7 @@ def serve_parser():
 
         platforms._current_platform = CudaTyped()
     try:
-        yield make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        yield serve_cli_args().make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
     finally:
         platforms._current_platform = saved
 
@@ -77,11 +92,10 @@ CASES = [(n, t, role, args) for n in NAMES for t in sr.load_serve_recipe(n, buil
 @pytest.mark.parametrize("name, target, role, args", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
 def test_recipe_arguments_parse_with_vllm(serve_parser, name, target, role, args):
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
 
     recipe = sr.load_serve_recipe(name, build=BUILD)
     parsed = serve_parser.parse_args(args)
-    validate_parsed_serve_args(parsed)
+    serve_cli_args().validate_parsed_serve_args(parsed)
     engine = AsyncEngineArgs.from_cli_args(parsed)
     assert parsed.model_tag == recipe.hf_id
     assert engine.tensor_parallel_size == recipe.tp and engine.pipeline_parallel_size == recipe.pp
@@ -121,7 +135,7 @@ def test_named_parsers_methods_and_backends_exist():
         for target in recipe.targets:
             assert sr.attention_backend(recipe, target, BUILD) in backends, (name, target)
             assert sr.kv_cache_dtype(recipe, target, BUILD) in typing.get_args(CacheDType), (name, target)
-    assert set(memory_plan.BACKENDS) <= backends
+    assert set(BACKENDS) <= backends
 
 
 def test_named_environment_variables_exist():
@@ -145,33 +159,78 @@ def test_named_environment_variables_exist():
 
 
 def test_backend_table_is_vllms():
+    import torch
     from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    for name, spec in memory_plan.BACKENDS.items():
+    for name, spec in BACKENDS.items():
         cls = AttentionBackendEnum[name].get_class()
         assert tuple(cls.supported_kv_cache_dtypes) == spec.kv_cache_dtypes, name
-        assert tuple(cls.get_supported_kernel_block_sizes()) == spec.block_sizes, name
+        blocks = tuple(memory_plan.MultipleOf(s.base) if isinstance(s, MultipleOf) else s
+                       for s in cls.get_supported_kernel_block_sizes())
+        assert blocks == spec.block_sizes, name
         majors = tuple(m for m in range(7, 13) if cls.supports_compute_capability(DeviceCapability(m, 0)))
         assert majors == spec.capability_majors, name
-        assert cls.get_supported_head_sizes() == [576], name
+        assert MLA_HEAD in cls.get_supported_head_sizes(), name  # 0.33.0's also serve 512 (rope-free MLA)
+        for dtype, only in spec.dtype_majors.items():
+            runs = tuple(m for m in majors if cls.supports_combination(
+                head_size=MLA_HEAD, dtype=torch.bfloat16, kv_cache_dtype=dtype, block_size=64, use_mla=True,
+                has_sink=False, use_sparse=True, use_mm_prefix=False, device_capability=DeviceCapability(m, 0),
+            ) is None)
+            assert runs == only, (name, dtype)
+
+
+def _packed_row_0_24(backend, layer_spec) -> int:
+    return backend.get_kv_cache_shape(1, layer_spec.block_size, 1, layer_spec.head_size,
+                                      layer_spec.cache_dtype_str)[-1]
+
+
+def _packed_row_0_33(backend, layer_spec) -> int:
+    from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+
+    return compute_layer_kv_cache_shape_bytes(layer_spec, num_blocks=1)[-1]  # (B, H, N, C bytes)
+
+
+# Bytes of one token's row in the cache tensor of a packed layout: 0.24.0's backends shape the
+# tensor (get_kv_cache_shape); 0.33.0 views every layer's cache from its spec alone.
+PACKED_ROW = {"0.24.0": _packed_row_0_24, "0.33.0": _packed_row_0_33}
+
+
+def mla_cache_spec(stored: str, head_size: int, block_size: int):
+    """The cache spec vLLM's MLA layer gives a layer storing `stored` (MLAAttention.get_kv_cache_spec,
+    whose page size is what vLLM allocates per block), for a bf16 model."""
+    import torch
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    layer = SimpleNamespace(kv_cache_dtype=stored, head_size=head_size, sliding_window=None, topk_buffer_width=None,
+                            indexer=None, non_causal_multi_token_decode=False)
+    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size, cache_dtype=stored),
+                             model_config=SimpleNamespace(dtype=torch.bfloat16))
+    return MLAAttention.get_kv_cache_spec(layer, config)
 
 
 def test_kv_layouts_are_vllms():
+    """Per backend and kv_cache_dtype: the layout vLLM stores and its bytes per token, as the plan has them."""
     import torch
-    from vllm.v1.attention.backends.mla.flashinfer_mla_sparse import FlashInferMLASparseSM120Backend
-    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+    from vllm.model_executor.layers.attention.mla_attention import _canonicalize_sparse_mla_kv_cache_dtype
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    assert FlashMLASparseBackend.get_kv_cache_shape(1, 64, 1, 576, "fp8_ds_mla")[-1] == memory_plan.FP8_DS_MLA_BYTES
-    assert FlashInferMLASparseSM120Backend.get_kv_cache_shape(1, 64, 1, 576, "auto")[-1] == memory_plan.FP8_DS_MLA_BYTES
-    ds = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.uint8, cache_dtype_str="fp8_ds_mla")
-    assert ds.page_size_bytes == 64 * memory_plan.FP8_DS_MLA_BYTES
-    fp8 = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.float8_e4m3fn,
-                           cache_dtype_str="fp8")
-    assert fp8.page_size_bytes == 64 * 576
-    cfg = sr.load_model("glm-5").config
-    indexer = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=memory_plan.indexer_bytes_per_token(cfg),
+    if BUILD.vllm_version not in PACKED_ROW:
+        pytest.fail(f"vLLM {BUILD.vllm_version}: add how its cache tensors are shaped to PACKED_ROW")
+    version = BUILD.vllm_version
+    for name, spec in BACKENDS.items():
+        cls = AttentionBackendEnum[name].get_class()
+        for dtype in spec.kv_cache_dtypes:
+            stored = _canonicalize_sparse_mla_kv_cache_dtype(cls, dtype)
+            assert memory_plan.stored_kv_dtype(name, dtype, version) == stored, (name, dtype)
+            per_token = memory_plan.mla_bytes_per_token(GLM5, name, dtype, version)
+            layer_spec = mla_cache_spec(stored, MLA_HEAD, block_size=64)
+            assert layer_spec.page_size_bytes == 64 * per_token, (name, dtype)
+            if stored in memory_plan.release(version).packed_bytes:
+                assert PACKED_ROW[version](cls, layer_spec) == per_token, (name, dtype)
+    indexer = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=memory_plan.indexer_bytes_per_token(GLM5),
                                dtype=torch.uint8)
     assert indexer.page_size_bytes == 64 * 132
 

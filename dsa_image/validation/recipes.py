@@ -38,7 +38,7 @@ from pathlib import Path
 
 from .. import tiny_model
 from ..compile_caches import cache_env
-from ..memory_plan import BACKENDS
+from ..memory_plan import backends
 from ..recipe import Recipe, load_recipe
 from ..serving_recipes import (
     RECIPES_DIR, ServeRecipe, attention_backend, environment, kv_cache_dtype, load_serve_recipe,
@@ -88,16 +88,18 @@ def scale_down(recipe: ServeRecipe, build: Recipe, gpus: int = 1) -> ScaledRun:
     changes: list[Change] = []
     vllm = dict(recipe.vllm)
 
+    table = backends(build.vllm_version)
     backend = attention_backend(recipe, target, build)
-    if 9 not in BACKENDS[backend].capability_majors:
+    if 9 not in table[backend].capability_majors:
         changes.append(Change("--attention-backend", backend, sm90.attention_backend,
                               f"{backend} runs on compute capability "
-                              f"{'/'.join(map(str, BACKENDS[backend].capability_majors))}.x only (vLLM 0.24.0 "
-                              f"supports_compute_capability); the sm90 image's sparse-MLA backend instead", True))
+                              f"{'/'.join(map(str, table[backend].capability_majors))}.x only (vLLM "
+                              f"{build.vllm_version} supports_compute_capability); the sm90 image's sparse-MLA "
+                              "backend instead", True))
         backend = sm90.attention_backend
     vllm["attention_backend"] = backend
     kv = kv_cache_dtype(recipe, target, build)
-    if kv not in BACKENDS[backend].kv_cache_dtypes:
+    if kv not in table[backend].kv_cache_dtypes_on(9):
         changes.append(Change("--kv-cache-dtype", kv, sm90.kv_cache_dtype,
                               f"{backend} does not take {kv}", True))
         kv = sm90.kv_cache_dtype
@@ -107,10 +109,11 @@ def scale_down(recipe: ServeRecipe, build: Recipe, gpus: int = 1) -> ScaledRun:
                               "e4m3 layout FLASHINFER_MLA_SPARSE uses on sm_100", True))
     vllm["kv_cache_dtype"] = kv
     block = vllm.get("block_size")
-    if block is not None and block not in BACKENDS[backend].block_sizes:
-        changes.append(Change("--block-size", str(block), str(BACKENDS[backend].block_sizes[0]),
-                              f"{backend} takes block sizes {BACKENDS[backend].block_sizes}", True))
-        vllm["block_size"] = BACKENDS[backend].block_sizes[0]
+    if block is not None and not table[backend].takes_block_size(block):
+        changes.append(Change("--block-size", str(block), str(table[backend].first_block_size),
+                              f"{backend} takes block sizes {', '.join(map(str, table[backend].block_sizes))}",
+                              True))
+        vllm["block_size"] = table[backend].first_block_size
 
     tp = _largest_divisor(tiny["num_attention_heads"], min(recipe.tp, gpus))
     if tp != recipe.tp or recipe.pp != 1 or recipe.nodes != 1:
