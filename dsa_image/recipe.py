@@ -119,6 +119,10 @@ class Recipe:
         wanted = {p for t in self.targets.values() for p in t.platforms}
         return tuple(p for p in self.wheels if p in wanted)
 
+    def bake_target(self, target_id: str) -> str:
+        """This base's own bake name for a target (docker-bake.hcl's `base_name`): sm120-vllm0_33_0."""
+        return f"{target_id}-vllm{self.vllm_version.replace('.', '_')}"
+
     def target(self, target_id: str) -> Target:
         try:
             return self.targets[target_id]

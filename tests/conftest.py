@@ -87,6 +87,12 @@ def runtime_image(docker_client, bake_options) -> str:
     return result.tags[0]
 
 
+@pytest.fixture(scope="session")
+def build_target(docker_client, bake_options):
+    """Build any bake target by name, failing the test with the build log's tail."""
+    return lambda target: bake_or_fail(target, bake_options)
+
+
 def bake_or_fail(target: str, options: image_build.BakeOptions, sets: list[str] = (),
                  repo: Path = REPO_ROOT) -> image_build.BuildResult:
     """Build a bake target; a failed build fails the test with the log's tail."""

@@ -14,18 +14,13 @@ import pytest
 from dsa_image import image_build
 from dsa_image.bake import bake_variables
 from dsa_image.overlay import predicted_receipt_sha256
-from dsa_image.recipe import Recipe, load_every_base, load_recipe
+from dsa_image.recipe import load_every_base, load_recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()
 BASES = load_every_base()
 VARIABLES = bake_variables(BASES)
 pytestmark = pytest.mark.docker
-
-
-def versioned(target_id: str, recipe: Recipe) -> str:
-    """A base's own name for a target: sm120-vllm0_33_0."""
-    return f"{target_id}-vllm{recipe.vllm_version.replace('.', '_')}"
 
 
 def _print(targets: list[str], **variables: str) -> dict:
@@ -52,7 +47,7 @@ def test_default_group_is_every_recipe_target_of_the_default_base(buildx):
 
 @pytest.mark.parametrize("target_id, recipe, name", [
     *((t, RECIPE, t) for t in RECIPE.targets),
-    *((t, recipe, versioned(t, recipe)) for recipe in BASES for t in recipe.targets)])
+    *((t, recipe, recipe.bake_target(t)) for recipe in BASES for t in recipe.targets)])
 def test_each_target_passes_the_recipes_pins_as_args(buildx, target_id, recipe, name):
     target = recipe.target(target_id)
     resolved = _print([name])["target"][name]
@@ -105,7 +100,7 @@ def test_test_target_builds_the_sm120_test_stage_and_exports_its_results(buildx)
     """Every `test` build, cached or not, hands over the in-image results: the stage that holds
     them only, written to build/test-results (a base's own: build/test-results-vllm<version>),
     which the image tests read."""
-    names = ["test", *(versioned("test", recipe) for recipe in BASES)]
+    names = ["test", *(recipe.bake_target("test") for recipe in BASES)]
     printed = _print(names)["target"]
     for name, recipe in zip(names, [RECIPE, *BASES]):
         resolved = printed[name]

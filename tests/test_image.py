@@ -67,6 +67,24 @@ def test_test_stage_results_are_exported_and_passed_whether_or_not_the_step_was_
           f"({'from cache' if pytest_step[0].cached else 'ran now'})")
 
 
+OTHER_BASES = [base for base in load_every_base() if base.vllm_version != RECIPE.vllm_version]
+
+
+@pytest.mark.parametrize("base", OTHER_BASES, ids=[b.vllm_version for b in OTHER_BASES])
+def test_every_other_base_builds_its_test_target_and_passes_its_in_image_tests(build_target, base):
+    """A base that is not the default still builds, passes its arch checks and overlay verify,
+    and passes the in-image tests against its own vLLM: shared code (arch_check, the memory
+    plan, the recipes) changes under it too."""
+    result = build_target(base.bake_target("test"))
+    assert result.exported == (REPO_ROOT / "build" / base.bake_target("test-results")).resolve()
+    run = image_build.read_test_results(result.exported)
+    assert run.failures == 0 and run.errors == 0 and run.passed > 0, run
+    own = f"tests/test_indexer_overlay_vllm{base.vllm_version.rsplit('.', 1)[0].replace('.', '_')}.py"
+    assert own in run.files and "tests/test_serving_recipes_vllm.py" in run.files, run.files
+    assert run.verify.strip(), "overlay.py verify printed nothing"
+    print(f"vLLM {base.vllm_version} in-image tests: {run.passed} passed, {run.skipped} skipped")
+
+
 def test_a_failing_in_image_test_fails_the_build_and_leaves_no_results(docker_client, bake_options, tmp_path):
     """In a copy of the repository, the in-image test files are replaced by quick ones, one of
     them failing: the `test` build must fail, and no results (not even an earlier build's) may
