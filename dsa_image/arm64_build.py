@@ -1,11 +1,12 @@
 """Build the sm120 image for linux/arm64 (DGX Spark) and check it: CI's arm64 step (.ci/run).
 
-    python3 scripts/build_arm64.py [--base-image NAME] [--log-dir DIR]
+    python3 scripts/build_arm64.py [--vllm VERSION] [--base-image NAME] [--log-dir DIR]
 
 On an x86-64 machine everything arm64 runs under QEMU user emulation, registered with the
 F flag (scripts/install_qemu.sh; checked first, nothing is built without it).
 
-1. `docker buildx bake sm120 --set sm120.platform=linux/arm64`, TAG=<vLLM version>-arm64, so
+1. `docker buildx bake sm120 --set sm120.platform=linux/arm64` (for a base other than the
+   default, given with --vllm: its own target, `sm120-vllm0_33_0`), TAG=<vLLM version>-arm64, so
    the image is dsa-image:<vLLM version>-arm64-sm120, with the options this host needs (host
    network, the host's CA bundle for pip) and BASE_IMAGE=NAME (default: the recipe's base).
    It always runs: BuildKit's cache decides what is rebuilt. After a change of a lock, the
@@ -13,7 +14,7 @@ F flag (scripts/install_qemu.sh; checked first, nothing is built without it).
    step comes from the cache. Printed: a digest of the build's inputs (and of the locks, the
    Dockerfile and the overlay alone) and the disk space left to build steps, then each
    Dockerfile step that ran now, and how many came from the cache. The bake's log:
-   build/logs/bake-sm120-arm64.log (DIR/bake-sm120-arm64.log).
+   build/logs/bake-<target>-arm64.log (DIR/...).
 2. The image is arm64: its config says so, and `uname -m` in it prints aarch64; its labels
    carry the recipe's capabilities and the receipt sha256 docker-bake.json predicts.
 3. The build-time arch checks, run again inside the image (the build's own step may have come
@@ -39,13 +40,12 @@ import time
 from pathlib import Path
 
 from dsa_image import image_build
-from dsa_image.recipe import load_recipe
+from dsa_image.recipe import Recipe, RecipeError, load_recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 TARGET = "sm120"
 PLATFORM = "linux/arm64"
-LOG_NAME = f"bake-{TARGET}-arm64"
 # What the sm120 runtime is built from: the build context (.dockerignore's allow-list, less
 # tests/, which only the `test` stage copies) and the bake files that pass the pins.
 INPUTS = ("Dockerfile", "docker-bake.hcl", "docker-bake.json", "pyproject.toml",
@@ -123,23 +123,30 @@ def docker_disk() -> tuple[str, float]:
     return root, stat.f_bavail * stat.f_frsize / 1e9
 
 
-def build(repo: Path, base_image: str | None, tag: str, log_dir: Path) -> tuple[str, float]:
-    options = image_build.BakeOptions.for_this_machine(base_image, log_dir).with_variables(TAG=tag)
+def bake_target(recipe: Recipe) -> str:
+    """The plain name for the default base (the command users and docs show), else the base's own."""
+    return TARGET if recipe.vllm_version == recipe.default_vllm else recipe.bake_target(TARGET)
+
+
+def build(repo: Path, recipe: Recipe, base_image: str | None, log_dir: Path) -> tuple[str, float]:
+    target = bake_target(recipe)
+    options = image_build.BakeOptions.for_this_machine(base_image, log_dir).with_variables(
+        TAG=f"{recipe.vllm_version}-arm64")
     say(f"build inputs sha256 {inputs_digest(repo, INPUTS)} ({', '.join(INPUTS)}); "
         + ", ".join(f"{name} {inputs_digest(repo, parts)[:16]}" for name, parts in NAMED_INPUTS.items()))
     root, free_gb = docker_disk()
     say(f"{root}: {free_gb:.1f} GB available to build steps (a cold arm64 build needs ~{COLD_BUILD_GB} GB)")
-    say("$ " + image_build.bake_invocation(options, TARGET) + f" --set {TARGET}.platform={PLATFORM}")
+    say("$ " + image_build.bake_invocation(options, target) + f" --set {target}.platform={PLATFORM}")
     try:
-        result = image_build.bake(repo, TARGET, options, [f"{TARGET}.platform={PLATFORM}"], timeout=5400,
-                                  log_name=LOG_NAME)
+        result = image_build.bake(repo, target, options, [f"{target}.platform={PLATFORM}"], timeout=5400,
+                                  log_name=f"bake-{target}-arm64")
     except (image_build.BuildError, subprocess.TimeoutExpired) as exc:
         hint = ""
         if "No space left on device" in str(exc):
             hint = (f"\nout of disk: {root} had {free_gb:.1f} GB available to build steps; a cold arm64 build "
                     f"needs ~{COLD_BUILD_GB} GB. Free some: docker image prune; docker builder prune -af "
                     f"--filter until=24h (cache not used for a day)")
-        raise CheckFailed(f"the {PLATFORM} build of {TARGET} failed: {exc}{hint}") from None
+        raise CheckFailed(f"the {PLATFORM} build of {target} failed: {exc}{hint}") from None
     steps = [s for s in result.steps if s.stage is not None and "] FROM " not in s.name]
     rebuilt = result.rebuilt()
     say(f"built {result.tags[0]} in {result.seconds:.0f} s; log: {result.log_path}")
@@ -153,8 +160,7 @@ def build(repo: Path, base_image: str | None, tag: str, log_dir: Path) -> tuple[
     return result.tags[0], result.seconds
 
 
-def check_image(repo: Path, image: str) -> None:
-    recipe = load_recipe()
+def check_image(repo: Path, recipe: Recipe, image: str) -> None:
     cuda_arch = ";".join(recipe.target(TARGET).cuda_arch)
     bake_vars = json.loads((repo / "docker-bake.json").read_text())["variable"]
     predicted = bake_vars["VLLM"]["default"][recipe.vllm_version]["RECEIPT_SHA256"]
@@ -197,16 +203,21 @@ def check_image(repo: Path, image: str) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm", metavar="VERSION", help="the recipe's base to build (default: its default)")
     parser.add_argument("--base-image", help="BASE_IMAGE for the bake, an arm64 image (default: the recipe's)")
     parser.add_argument("--log-dir", type=Path, default=REPO_ROOT / "build" / "logs",
-                        help=f"where the bake's log goes, as {LOG_NAME}.log (default: build/logs)")
+                        help="where the bake's log goes, as bake-<target>-arm64.log (default: build/logs)")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    tag = f"{load_recipe().vllm_version}-arm64"
+    try:
+        recipe = load_recipe(vllm=args.vllm)
+    except RecipeError as exc:
+        say(f"{exc}")
+        return 2
     try:
         qemu_ready(REPO_ROOT)
-        image, _ = build(REPO_ROOT, args.base_image, tag, args.log_dir)
-        check_image(REPO_ROOT, image)
+        image, _ = build(REPO_ROOT, recipe, args.base_image, args.log_dir)
+        check_image(REPO_ROOT, recipe, image)
     except CheckFailed as exc:
         say(f"FAILED after {time.monotonic() - started:.0f} s: {exc}")
         return 1

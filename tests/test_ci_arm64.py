@@ -109,7 +109,8 @@ with open(os.environ["FAKE_CALLS"], "a") as f:
                         "TAG": os.environ.get("TAG"), "BUILD_NETWORK": os.environ.get("BUILD_NETWORK")}) + "\n")
 image = f"dsa-image:{os.environ.get('TAG')}-sm120"
 if args[:3] == ["buildx", "bake", "--print"]:
-    print(json.dumps({"target": {"sm120": {"tags": [image], "output": ["type=docker"]}}}))
+    target = next(a for a in args[3:] if not a.startswith("-"))
+    print(json.dumps({"target": {target: {"tags": [image], "output": ["type=docker"]}}}))
 elif args[:2] == ["buildx", "bake"]:
     print("#7 [linux/arm64 deps 1/2] RUN pip install --require-hashes\n#7 DONE 612.5s\n"
           "#8 [linux/arm64 overlay 1/7] COPY dsa_image/ /opt/dsa-image/tool/dsa_image/\n#8 CACHED")
@@ -195,6 +196,29 @@ def test_the_arm64_step_bakes_sm120_for_arm64_and_checks_it_in_that_image(fake_d
     assert "1 of 2 Dockerfile steps ran now" in err and "[linux/arm64 deps 1/2]" in err
     assert "build inputs sha256 " in err and "locks " in err and "overlay " in err
     assert (tmp_path / "logs" / "bake-sm120-arm64.log").is_file()
+
+
+def test_another_base_bakes_its_own_target_and_is_checked_against_its_own_receipt(fake_docker, tmp_path, monkeypatch,
+                                                                                  capsys):
+    module, read_calls = fake_docker
+    from dsa_image.recipe import load_every_base
+    other = next(b for b in load_every_base() if b.vllm_version != b.default_vllm)
+    bake_json = json.loads((REPO / "docker-bake.json").read_text())
+    monkeypatch.setenv("FAKE_RECEIPT", bake_json["variable"]["VLLM"]["default"][other.vllm_version]["RECEIPT_SHA256"])
+    code = module.main(["--vllm", other.vllm_version, "--log-dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    bake = [c for c in read_calls() if c["args"][:2] == ["buildx", "bake"] and "--print" not in c["args"]]
+    target = other.bake_target("sm120")
+    assert bake[0]["args"][2] == target and f"{target}.platform=linux/arm64" in bake[0]["args"]
+    assert bake[0]["TAG"] == f"{other.vllm_version}-arm64"
+    assert (tmp_path / "logs" / f"bake-{target}-arm64.log").is_file()
+
+
+def test_an_unknown_base_is_a_usage_error(fake_docker, tmp_path, capsys):
+    module, read_calls = fake_docker
+    assert module.main(["--vllm", "0.99.0", "--log-dir", str(tmp_path / "logs")]) == 2
+    assert "0.99.0" in capsys.readouterr().err and read_calls() == []
 
 
 @pytest.mark.parametrize("failure, message", [
