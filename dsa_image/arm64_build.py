@@ -36,6 +36,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,6 +58,13 @@ RUN_TIMEOUT = 1800
 IN_IMAGE = "/opt/dsa-image/ci"  # where the repository's arch_check is mounted in the container
 # A cold arm64 build writes the deps layer (9.3 GB) next to pip's downloads: an estimate with margin.
 COLD_BUILD_GB = 14
+# QEMU's user emulation has no arm64 sysfs CPU identification, and torch 2.14's oneDNN
+# (xbyak_aarch64, util_impl_linux.h:444) aborts the import when it cannot read
+# /sys/devices/system/cpu/cpuN/regs/identification/midr_el1 (torch 2.11 did not need it). Emulated,
+# the checks see a CPU directory that has it: a Cortex-X925, one of GB10's two core kinds (MIDR
+# 0x410FD850, arm-trusted-firmware include/lib/cpus/aarch64/cortex_x925.h).
+CPU_SYSFS = "/sys/devices/system/cpu"
+EMULATED_MIDR = "0x00000000410fd850"
 
 
 class CheckFailed(Exception):
@@ -112,6 +120,20 @@ def qemu_ready(repo: Path) -> None:
         raise CheckFailed("QEMU user emulation for arm64 is not ready (above); as root: bash scripts/install_qemu.sh")
 
 
+def write_cpu_sysfs(directory: Path, cpus: int) -> Path:
+    """A /sys/devices/system/cpu for the emulated image: the CPU lists and each CPU's MIDR_EL1."""
+    span = f"0-{cpus - 1}\n" if cpus > 1 else "0\n"
+    for name in ("online", "possible", "present"):
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text(span)
+    for cpu in range(cpus):
+        identification = directory / f"cpu{cpu}" / "regs" / "identification"
+        identification.mkdir(parents=True, exist_ok=True)
+        (identification / "midr_el1").write_text(EMULATED_MIDR + "\n")
+        (identification / "revidr_el1").write_text("0x0000000000000000\n")
+    return directory
+
+
 def docker_disk() -> tuple[str, float]:
     """The Docker root directory and the GB its file system has available to build steps: df's
     Avail, since a build step (no CAP_SYS_RESOURCE) cannot use ext4's blocks reserved for root."""
@@ -160,7 +182,8 @@ def build(repo: Path, recipe: Recipe, base_image: str | None, log_dir: Path) -> 
     return result.tags[0], result.seconds
 
 
-def check_image(repo: Path, recipe: Recipe, image: str) -> None:
+def check_image(repo: Path, recipe: Recipe, image: str, cpu_mounts: tuple[tuple[Path, str], ...] = ()) -> None:
+    """The image's platform, labels, arch checks and verify, each run in it with `cpu_mounts`."""
     cuda_arch = ";".join(recipe.target(TARGET).cuda_arch)
     bake_vars = json.loads((repo / "docker-bake.json").read_text())["variable"]
     predicted = bake_vars["VLLM"]["default"][recipe.vllm_version]["RECEIPT_SHA256"]
@@ -176,7 +199,7 @@ def check_image(repo: Path, recipe: Recipe, image: str) -> None:
         raise CheckFailed(f"{image}'s labels say cuda-arch {labels.get('dsa-image.cuda-arch')!r}, receipt "
                           f"{labels.get('dsa-image.receipt.sha256')!r}; the recipe and docker-bake.json say "
                           f"{cuda_arch!r}, {predicted!r}")
-    code, out, _ = run_in_image(image, "-m", entrypoint="uname")
+    code, out, _ = run_in_image(image, "-m", entrypoint="uname", mounts=cpu_mounts)
     if code != 0 or out.strip() != "aarch64":
         raise CheckFailed(f"uname -m in {image} exited {code} printing {out.strip()!r}, not aarch64")
     say(f"{image}: {os_arch}, uname -m in it: aarch64, labels: cuda-arch {cuda_arch}, receipt {predicted[:16]}")
@@ -185,7 +208,7 @@ def check_image(repo: Path, recipe: Recipe, image: str) -> None:
               f'python -B {IN_IMAGE}/scripts/arch_check.py extensions --cuda-arch "$1" '
               '--site-packages "$DSA_IMAGE_SITE_PACKAGES"')
     mounts = ((repo / "scripts" / "arch_check.py", f"{IN_IMAGE}/scripts/arch_check.py"),
-              (repo / "dsa_image", f"{IN_IMAGE}/dsa_image"))
+              (repo / "dsa_image", f"{IN_IMAGE}/dsa_image"), *cpu_mounts)
     code, out, seconds = run_in_image(image, "-c", script, "arch_check", cuda_arch, entrypoint="/bin/bash",
                                       mounts=mounts)
     print(out, end="", file=sys.stderr)
@@ -193,7 +216,7 @@ def check_image(repo: Path, recipe: Recipe, image: str) -> None:
         raise CheckFailed(f"the arch checks (toolchain, extensions; {cuda_arch}) failed in {image}: exit {code}")
     say(f"arch checks passed in {image} ({cuda_arch}, emulated): {seconds:.0f} s")
 
-    code, out, seconds = run_in_image(image, "verify")
+    code, out, seconds = run_in_image(image, "verify", mounts=cpu_mounts)
     print(out, end="", file=sys.stderr)
     if code != 0 or f"sha256 {predicted} matches the build" not in out:
         raise CheckFailed(f"verify in {image} exited {code}" + ("" if code else f" without 'sha256 {predicted} "
@@ -217,7 +240,13 @@ def main(argv: list[str]) -> int:
     try:
         qemu_ready(REPO_ROOT)
         image, _ = build(REPO_ROOT, recipe, args.base_image, args.log_dir)
-        check_image(REPO_ROOT, recipe, image)
+        with tempfile.TemporaryDirectory(prefix="dsa-image-arm64-cpu-") as tmp:
+            cpu_mounts = ()
+            if platform.machine() != "aarch64":
+                cpu_mounts = ((write_cpu_sysfs(Path(tmp) / "cpu", os.cpu_count() or 1), CPU_SYSFS),)
+                say(f"emulated: the checks see {CPU_SYSFS} with MIDR_EL1 {EMULATED_MIDR} (Cortex-X925); "
+                    "QEMU provides none, and torch 2.14 needs it to import")
+            check_image(REPO_ROOT, recipe, image, cpu_mounts)
     except CheckFailed as exc:
         say(f"FAILED after {time.monotonic() - started:.0f} s: {exc}")
         return 1

@@ -104,9 +104,13 @@ FAKE_DOCKER = r'''#!/usr/bin/env python3
 """A docker CLI that logs each call and answers like the real one for what build_arm64 asks."""
 import json, os, sys
 args = sys.argv[1:]
+# what a CPU directory mounted at /sys/devices/system/cpu says about cpu0, while the run lasts
+cpu = [a.split(":")[0] for a in args if a.endswith(":/sys/devices/system/cpu:ro")]
+midr = os.path.join(cpu[0], "cpu0/regs/identification/midr_el1") if cpu else ""
 with open(os.environ["FAKE_CALLS"], "a") as f:
     f.write(json.dumps({"args": args, "BASE_IMAGE": os.environ.get("BASE_IMAGE"),
-                        "TAG": os.environ.get("TAG"), "BUILD_NETWORK": os.environ.get("BUILD_NETWORK")}) + "\n")
+                        "TAG": os.environ.get("TAG"), "BUILD_NETWORK": os.environ.get("BUILD_NETWORK"),
+                        "midr": open(midr).read().strip() if os.path.isfile(midr) else None}) + "\n")
 image = f"dsa-image:{os.environ.get('TAG')}-sm120"
 if args[:3] == ["buildx", "bake", "--print"]:
     target = next(a for a in args[3:] if not a.startswith("-"))
@@ -196,6 +200,27 @@ def test_the_arm64_step_bakes_sm120_for_arm64_and_checks_it_in_that_image(fake_d
     assert "1 of 2 Dockerfile steps ran now" in err and "[linux/arm64 deps 1/2]" in err
     assert "build inputs sha256 " in err and "locks " in err and "overlay " in err
     assert (tmp_path / "logs" / "bake-sm120-arm64.log").is_file()
+
+
+@on_aarch64
+def test_emulated_every_check_sees_a_cpu_directory_with_midr_el1(fake_docker, tmp_path, capsys):
+    """torch 2.14 aborts its import under QEMU without /sys/.../midr_el1 (the 0.33.0 arm64 image's
+    verify did): every run in the image gets one, and it is gone after the step."""
+    module, read_calls = fake_docker
+    assert module.main(["--log-dir", str(tmp_path / "logs")]) == 0, capsys.readouterr().err
+    runs = [c for c in read_calls() if c["args"][0] == "run"]
+    assert len(runs) == 3 and {c["midr"] for c in runs} == {module.EMULATED_MIDR}  # uname, arch checks, verify
+    mounted = {a.split(":")[0] for c in runs for a in c["args"] if a.endswith(f":{module.CPU_SYSFS}:ro")}
+    assert mounted and not any(Path(m).exists() for m in mounted)
+
+
+def test_the_emulated_cpu_directory_lists_every_cpu(tmp_path):
+    from dsa_image import arm64_build
+    cpu = arm64_build.write_cpu_sysfs(tmp_path / "cpu", 3)
+    assert (cpu / "online").read_text() == "0-2\n" == (cpu / "possible").read_text()
+    assert sorted(p.name for p in cpu.glob("cpu*")) == ["cpu0", "cpu1", "cpu2"]
+    assert (cpu / "cpu2/regs/identification/midr_el1").read_text() == "0x00000000410fd850\n"
+    assert (arm64_build.write_cpu_sysfs(tmp_path / "one", 1) / "online").read_text() == "0\n"
 
 
 def test_another_base_bakes_its_own_target_and_is_checked_against_its_own_receipt(fake_docker, tmp_path, monkeypatch,
