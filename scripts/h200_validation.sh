@@ -20,9 +20,10 @@
 #   prepare  the install phase without the probes (to serve on a fresh machine).
 #   hosttime build() host time, stock and overlay interleaved in one process.
 #   toolchain the smoke test with the image's pip CUDA toolkit as the only toolkit.
-#   serve    stock twice and the overlay once, served side by side
+#   serve    stock twice and the overlay once, served side by side, CUDA graphs on
 #            (token equivalence, JIT during inference).
-#   smoke    the smoke test's local runtime against the overlay.
+#   smoke    the smoke test's local runtime against the overlay, CUDA graphs on (SMOKE_ARGS,
+#            SMOKE_LABEL: e.g. TP=2 over Ray on two GPUs).
 #   mtp      stock vs overlay served with MTP, 1 and 3 speculative tokens (native
 #            and flattened indexer decode paths), CUDA graphs on.
 #   longctx  stock vs overlay at max_model_len 65536, prompts of 20k-65k tokens,
@@ -218,7 +219,7 @@ probes() {
 serve() {
   log "serving equivalence: stock, stock, overlay, side by side"
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving --model "$model" \
-    --stock-site "$site_stock" --overlay-site "$site_overlay" --out "$results/serving" --timeout 420) \
+    --stock-site "$site_stock" --overlay-site "$site_overlay" --out "$results/serving" --timeout 480) \
     > "$results/serving.log" 2>&1
   echo "serving exit: $?" | tee -a "$results/serving.log"
   tail -40 "$results/serving.log"
@@ -258,7 +259,7 @@ toolchain() {
     DG_JIT_CACHE_DIR="$toolchain_home/deep_gemm" DG_JIT_PRINT_COMPILER_COMMAND=1 \
     python3 "$repo/scripts/smoke.py" --runtime local \
     --python python3 --site-packages "$site_overlay" --target sm90 --out "$results/toolchain" --quiet \
-    -- --enforce-eager --gpu-memory-utilization 0.12) > "$results/toolchain.log" 2>&1
+    -- --gpu-memory-utilization 0.12) > "$results/toolchain.log" 2>&1
   echo "toolchain smoke exit: $?" | tee -a "$results/toolchain.log"
   # Which compiler built the kernels: DeepGEMM prints each command (DG_JIT_PRINT_COMPILER_COMMAND).
   grep -o '[^ ]*/nvcc ' "$results/toolchain/server.log" | sort | uniq -c | tee "$results/toolchain-compilers.txt"
@@ -266,13 +267,17 @@ toolchain() {
   tail -15 "$results/toolchain.log"
 }
 
+# SMOKE_ARGS: smoke.py's layout flags (e.g. --tensor-parallel-size 2
+# --distributed-executor-backend ray on two GPUs); SMOKE_LABEL names the results (default smoke).
 smoke() {
-  log "smoke test, local runtime, overlay"
+  local label=${SMOKE_LABEL:-smoke}
+  log "smoke test, local runtime, overlay, CUDA graphs on ${SMOKE_ARGS:-}"
+  # shellcheck disable=SC2086  # SMOKE_ARGS is a list of flags
   (cd /tmp && python3 "$repo/scripts/smoke.py" --runtime local --python python3 \
-    --site-packages "$site_overlay" --target sm90 --out "$results/smoke" --quiet \
-    -- --enforce-eager --gpu-memory-utilization 0.12) > "$results/smoke.log" 2>&1
-  echo "smoke exit: $?" | tee -a "$results/smoke.log"
-  tail -30 "$results/smoke.log"
+    --site-packages "$site_overlay" --target sm90 --out "$results/$label" --quiet ${SMOKE_ARGS:-} \
+    -- --gpu-memory-utilization 0.12) > "$results/$label.log" 2>&1
+  echo "$label exit: $?" | tee -a "$results/$label.log"
+  tail -30 "$results/$label.log"
 }
 
 # The tiny GLM-5 with its MTP layer, for the MTP modes and the MTP benchmark.
@@ -408,7 +413,7 @@ cluster() {
 
 collect() {
   for f in metadata-equivalence.json metadata-equivalence.txt serving/serving-equivalence.json \
-           smoke/smoke-report.json toolchain/smoke-report.json toolchain-compilers.txt environment.txt \
+           "${SMOKE_LABEL:-smoke}/smoke-report.json" toolchain/smoke-report.json toolchain-compilers.txt environment.txt \
            torch-libs.txt; do
     [ -f "$results/$f" ] && cp "$results/$f" "$out/$phase-$(basename "$f")"
   done

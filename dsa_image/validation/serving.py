@@ -1,6 +1,7 @@
 """Serving equivalence: stock vLLM twice and the overlay once, same seed, same requests.
 
-Starts the three servers side by side on one GPU, each with its own HOME (no
+Starts the three servers side by side on one GPU, with vLLM's default flags (CUDA graphs on;
+--enforce-eager only when asked for), each with its own HOME (no
 compile cache shared) and a fixed KV-cache size (vLLM's memory profiling would
 count the other servers' allocations as its own), sends each the same greedy
 requests (short prompts and prompts over 2048 tokens, one by one and then
@@ -202,8 +203,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--server-args",
-                        default="--enforce-eager --kv-cache-memory-bytes 4294967296",
-                        help="extra vllm serve arguments, one string")
+                        default="--kv-cache-memory-bytes 4294967296",
+                        help="extra vllm serve arguments, one string (default: CUDA graphs on, as vLLM serves)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     plan = [("stock_a", args.stock_site, 8101), ("stock_b", args.stock_site, 8102),
