@@ -131,6 +131,7 @@ RUN --mount=type=bind,from=pins,source=/pins,target=/tmp/dsa-image/pins \
 # target capability, and vLLM's compiled extensions carry SASS/PTX for them.
 RUN --mount=type=bind,source=dsa_image/__init__.py,target=/tmp/dsa-image/tool/dsa_image/__init__.py \
     --mount=type=bind,source=dsa_image/arch_check.py,target=/tmp/dsa-image/tool/dsa_image/arch_check.py \
+    --mount=type=bind,source=dsa_image/dist_info.py,target=/tmp/dsa-image/tool/dsa_image/dist_info.py \
     --mount=type=bind,source=scripts/arch_check.py,target=/tmp/dsa-image/tool/scripts/arch_check.py \
     python -B /tmp/dsa-image/tool/scripts/arch_check.py toolchain --cuda-arch "${CUDA_ARCH_LIST}"; \
     python -B /tmp/dsa-image/tool/scripts/arch_check.py extensions --cuda-arch "${CUDA_ARCH_LIST}" \

@@ -10,7 +10,7 @@ Two checks, both without a GPU:
   and FlashInfer do exactly this at run time, so a broken toolkit fails the build, not the
   first request on a GPU host.
 
-Stdlib only: this runs in a bare build stage.
+Stdlib only (with dist_info): this runs in a bare build stage.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from .dist_info import installed_versions
 
 @dataclass(frozen=True)
 class ExtensionTable:
@@ -175,14 +177,11 @@ def extension_name(path: Path) -> str:
 
 def installed_vllm_version(site_packages: Path) -> str:
     """The Version of the one vllm-*.dist-info in site_packages."""
-    found = sorted(site_packages.glob("vllm-*.dist-info"))
-    if len(found) != 1:
-        raise ArchCheckError(f"{site_packages}: expected one vllm-*.dist-info, found {len(found)} "
-                             f"({', '.join(p.name for p in found) or 'none'}); install vLLM with pip")
-    for line in (found[0] / "METADATA").read_text(errors="replace").splitlines():
-        if line.startswith("Version:"):
-            return line.split(":", 1)[1].strip()
-    raise ArchCheckError(f"{found[0] / 'METADATA'}: no Version line")
+    found = installed_versions(site_packages, "vllm")
+    if len(found) != 1 or not found[0]:
+        raise ArchCheckError(f"{site_packages}: expected one vllm-*.dist-info with a Version, found {len(found)} "
+                             f"({', '.join(repr(v) for v in found) or 'none'}); install vLLM with pip")
+    return found[0]
 
 
 def extension_table(version: str) -> ExtensionTable:

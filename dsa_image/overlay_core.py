@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import email.parser
 import json
 import signal
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from . import wheels
 from .atomic import NotRegularFile, read_regular
+from .dist_info import installed_versions
 from .manifest import Manifest, ManifestError, load_manifest
 from .recipe import RECIPES_DIR, REPO_ROOT, Recipe, RecipeError, load_recipe, vllm_dir
 
@@ -127,13 +127,7 @@ def read_overlay_files(manifest: Manifest, overlay_dir: Path) -> dict[str, bytes
 def installed_vllm_version(site: Path) -> str:
     """The Version of vLLM's dist-info in `site` (read from METADATA, vLLM is never imported)."""
     require_dir(site)
-    found = []
-    for info in sorted(site.glob("*.dist-info")):
-        metadata = info / "METADATA"
-        if info.name.lower().startswith("vllm-") and metadata.is_file():
-            headers = email.parser.HeaderParser().parsestr(metadata.read_text(errors="replace"))
-            if (headers.get("Name") or "").lower() == "vllm":
-                found.append(headers.get("Version") or "")
+    found = installed_versions(site, "vllm")
     if len(found) != 1 or not found[0]:
         what = "no vllm-*.dist-info/METADATA" if not found else f"{len(found)} vLLM dist-infos ({', '.join(found)})"
         raise OverlayError(BAD_INPUT, f"{site}: {what}; point --site-packages at the site-packages holding one vLLM install")
