@@ -38,6 +38,11 @@ def _run(client, image: str, *args: str, entrypoint: str | None = None,
         container.remove(force=True)
 
 
+def _overlay_test_file(base) -> str:
+    """The test file of a base's overlaid indexer: tests/test_indexer_overlay_vllm<major>_<minor>.py."""
+    return f"tests/test_indexer_overlay_vllm{base.vllm_version.rsplit('.', 1)[0].replace('.', '_')}.py"
+
+
 def _in_image_test_files() -> set[str]:
     """The test files the Dockerfile's `test` stage runs and reports for the default base (the
     `test` target's): its globs expanded, less the other bases' overlay tests, which skip as a
@@ -46,8 +51,8 @@ def _in_image_test_files() -> set[str]:
     stage = dockerfile.split("FROM overlay AS test\n", 1)[1].split("\nFROM ", 1)[0]
     named = {str(path.relative_to(REPO_ROOT)) for pattern in re.findall(r"tests/test_[\w*]+\.py", stage)
              for path in REPO_ROOT.glob(pattern)}
-    other_bases = {f"tests/test_indexer_overlay_vllm{base.vllm_version.rsplit('.', 1)[0].replace('.', '_')}.py"
-                   for base in load_every_base() if base.vllm_version != load_recipe().vllm_version}
+    other_bases = {_overlay_test_file(base) for base in load_every_base()
+                   if base.vllm_version != load_recipe().vllm_version}
     return named - other_bases
 
 
@@ -79,8 +84,7 @@ def test_every_other_base_builds_its_test_target_and_passes_its_in_image_tests(b
     assert result.exported == (REPO_ROOT / "build" / base.bake_target("test-results")).resolve()
     run = image_build.read_test_results(result.exported)
     assert run.failures == 0 and run.errors == 0 and run.passed > 0, run
-    own = f"tests/test_indexer_overlay_vllm{base.vllm_version.rsplit('.', 1)[0].replace('.', '_')}.py"
-    assert own in run.files and "tests/test_serving_recipes_vllm.py" in run.files, run.files
+    assert _overlay_test_file(base) in run.files and "tests/test_serving_recipes_vllm.py" in run.files, run.files
     assert run.verify.strip(), "overlay.py verify printed nothing"
     print(f"vLLM {base.vllm_version} in-image tests: {run.passed} passed, {run.skipped} skipped")
 
