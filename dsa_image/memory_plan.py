@@ -355,6 +355,8 @@ KV_RELEASES: dict[str, KvRelease] = {
     # cache on SM100 (get_supported_kernel_block_sizes(spec)), into which vLLM splits a block of a
     # multiple of 64 (worker/utils.py select_common_block_size). It also takes nvfp4_ds_mla, on
     # SM100 only (supports_combination): the plan sizes it (352 B/token); no recipe uses it.
+    # FLASH_ATTN_MLA_SPARSE (sm_90 only, bf16/fp16 caches) is new and ranks first on sm_90
+    # (vllm/platforms/cuda.py): the sm90 target's backend on this release.
     "0.33.0": KvRelease(
         backends={
             "FLASHMLA_SPARSE": Backend("FLASHMLA_SPARSE", (9, 10),
@@ -367,6 +369,8 @@ KV_RELEASES: dict[str, KvRelease] = {
             "FLASHINFER_MLA_SPARSE_SM120": Backend("FLASHINFER_MLA_SPARSE_SM120", (12,),
                                                    ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla"), (MultipleOf(64),),
                                                    _FLASHINFER_MLA_SPARSE),
+            "FLASH_ATTN_MLA_SPARSE": Backend("FLASH_ATTN_MLA_SPARSE", (9,), ("auto", "float16", "bfloat16"),
+                                             (MultipleOf(64),), "vllm/v1/attention/backends/mla/flashattn_mla_sparse.py"),
         },
         packed_bytes={"fp8_ds_mla": FP8_DS_MLA_BYTES, "nvfp4_ds_mla": NVFP4_DS_MLA_BYTES},
     ),

@@ -36,6 +36,8 @@ _RELEASE = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+([.+a-z0-9]*)")
 SCHEMA = 2
 # What a base ([vllm."X"]) pins besides the extras' sections its targets name.
 _BASE_KEYS = ("wheels", "cuda")
+# ...and the target keys it changes ([vllm."X".targets.ID]), e.g. the backend a release picks.
+_TARGET_ADJUSTMENTS = "targets"
 
 
 def vllm_dir(version: str) -> str:
@@ -214,11 +216,13 @@ def _bases(raw: dict[str, Any], where: str) -> tuple[str, dict[str, dict]]:
     for version, section in bases.items():
         _check(bool(_RELEASE.fullmatch(version)) and isinstance(section, dict),
                f'{where}: vllm.{version!r}: expected a [vllm."X.Y.Z"] table named after a vLLM release')
-        unknown = sorted(set(section) - set(_BASE_KEYS) - extras)
+        unknown = sorted(set(section) - set(_BASE_KEYS) - {_TARGET_ADJUSTMENTS} - extras)
         _check(not unknown, f'{where}: [vllm."{version}"] has {", ".join(unknown)}: a base pins only '
-                            f'{", ".join(_BASE_KEYS)} and the extras its targets name ({", ".join(sorted(extras)) or "none"})')
-        shared = sorted(set(section) & set(raw))
+                            f'{", ".join(_BASE_KEYS)} and the extras its targets name ({", ".join(sorted(extras)) or "none"}), '
+                            f'and adjusts [{_TARGET_ADJUSTMENTS}.*] keys')
+        shared = sorted(set(section) & set(raw) - {_TARGET_ADJUSTMENTS})
         _check(not shared, f'{where}: {", ".join(shared)} is both shared and in [vllm."{version}"]; keep one')
+        _adjusted_targets(raw.get("targets", {}), section.get(_TARGET_ADJUSTMENTS, {}), f'{where}: vllm."{version}"')
     _check(default in bases, f"{where}: vllm.default {default!r} is not one of the pinned releases: {', '.join(bases)}")
     return default, bases
 
@@ -233,8 +237,24 @@ def _base_view(raw: dict[str, Any], version: str | None, where: str) -> dict[str
                           f"(--vllm takes one of them; default {default})")
     base = bases[version]
     vllm = {"version": version, "default": default, "versions": list(bases), "wheels": base.get("wheels")}
-    return {**{k: v for k, v in raw.items() if k != "vllm"}, **{k: v for k, v in base.items() if k != "wheels"},
+    view = {**{k: v for k, v in raw.items() if k != "vllm"}, **{k: v for k, v in base.items() if k != "wheels"},
             "vllm": vllm}
+    if _TARGET_ADJUSTMENTS in base:
+        view["targets"] = _adjusted_targets(raw.get("targets", {}), base[_TARGET_ADJUSTMENTS],
+                                            f'{where}: vllm."{version}"')
+    return view
+
+
+def _adjusted_targets(shared: dict, adjusted: dict, where: str) -> dict:
+    """The shared [targets.*] with a base's [vllm."X".targets.ID] keys in place of theirs: a
+    release that picks another backend for a GPU adjusts that key, not a copy of the target."""
+    for tid, keys in adjusted.items():
+        _check(tid in shared and isinstance(keys, dict),
+               f"{where}.targets.{tid}: adjusts no shared target; targets: {', '.join(shared)}")
+        unknown = sorted(set(keys) - set(shared[tid]))
+        _check(not unknown, f"{where}.targets.{tid}: {', '.join(unknown)} not keys of [targets.{tid}]; "
+                            f"a base adjusts a target's keys, it adds none")
+    return {tid: {**t, **adjusted.get(tid, {})} for tid, t in shared.items()}
 
 
 def parse_recipe(recipe_id: str, path: Path, file: dict[str, Any], vllm_version: str | None = None) -> Recipe:

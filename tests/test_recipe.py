@@ -46,8 +46,14 @@ def test_each_base_has_its_own_pins_and_shares_the_rest():
     assert [e.requirement for e in newer.target("sm120").extras] == ["b12x==1.5.1"]
     assert newer.target("sm120").overrides == ()
     assert newer.get("vllm.version") == "0.33.0" and newer.get("vllm.versions") == ["0.24.0", "0.33.0"]
-    for shared in ("base", "serving", "cluster", "targets"):
+    for shared in ("base", "serving", "cluster"):
         assert newer.raw[shared] == RECIPE.raw[shared]
+    # The targets are shared; a base adjusts only the keys its release decides differently.
+    assert newer.target("sm90").attention_backend == "FLASH_ATTN_MLA_SPARSE"
+    assert RECIPE.target("sm90").attention_backend == "FLASHMLA_SPARSE"
+    differing = {(tid, key) for tid, target in RECIPE.raw["targets"].items()
+                 for key in target if newer.raw["targets"][tid][key] != target[key]}
+    assert differing == {("sm90", "attention_backend")}
 
 
 def test_wheel_pins_are_locked():
@@ -107,7 +113,12 @@ def copy_recipe(tmp_path: Path, edit=lambda text: text) -> Path:
     (lambda t: t + "[[[", "not valid TOML"),
     (lambda t: t.replace('default = "0.24.0"', 'default = "0.25.0"'), "vllm.default '0.25.0' is not one of the pinned"),
     (lambda t: t.replace('[vllm."0.33.0".b12x]', '[vllm."0.33.0".flashinfer]'),
-     '[vllm."0.33.0"] has flashinfer: a base pins only wheels, cuda and the extras its targets name (b12x)'),
+     '[vllm."0.33.0"] has flashinfer: a base pins only wheels, cuda and the extras its targets name (b12x), '
+     'and adjusts [targets.*] keys'),
+    (lambda t: t.replace('[vllm."0.33.0".targets.sm90]', '[vllm."0.33.0".targets.sm75]'),
+     'vllm."0.33.0".targets.sm75: adjusts no shared target; targets: sm120, sm100, sm90'),
+    (lambda t: t.replace('attention_backend = "FLASH_ATTN_MLA_SPARSE"', 'backend = "FLASH_ATTN_MLA_SPARSE"'),
+     'vllm."0.33.0".targets.sm90: backend not keys of [targets.sm90]; a base adjusts a target\'s keys, it adds none'),
     (lambda t: t + '\n[b12x]\nversion = "1.5.1"\n', 'b12x is both shared and in [vllm."0.24.0"]'),
     (lambda t: t.replace('[vllm."0.33.0".wheels."linux/arm64"]', '[vllm."latest".wheels."linux/arm64"]'),
      "expected a [vllm.\"X.Y.Z\"] table named after a vLLM release"),

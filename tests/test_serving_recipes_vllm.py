@@ -172,7 +172,7 @@ def test_backend_table_is_vllms():
         assert blocks == spec.block_sizes, name
         majors = tuple(m for m in range(7, 13) if cls.supports_compute_capability(DeviceCapability(m, 0)))
         assert majors == spec.capability_majors, name
-        assert MLA_HEAD in cls.get_supported_head_sizes(), name  # 0.33.0's also serve 512 (rope-free MLA)
+        assert cls.supports_head_size(MLA_HEAD), name  # 0.33.0's also serve 512 (rope-free MLA)
         for dtype, only in spec.dtype_majors.items():
             runs = tuple(m for m in majors if cls.supports_combination(
                 head_size=MLA_HEAD, dtype=torch.bfloat16, kv_cache_dtype=dtype, block_size=64, use_mla=True,
