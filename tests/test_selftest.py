@@ -179,3 +179,24 @@ def test_the_report_prints_the_table_and_writes_json(monkeypatch, tmp_path, caps
     assert doc["exit_code"] == 0 and [r["passed"] for r in doc["results"]] == [True, True]
     args.broken = "no-such-case"
     assert selftest.report(ReferenceKernels(), ("CPU", (0, 0)), args, device="cpu") == selftest.USAGE
+
+
+class PersistentTopkKernels(ReferenceKernels):
+    """Kernels that say which top-k they ran, as the image's do."""
+
+    def decode(self, inputs, case):
+        self.last_topk = "persistent" if case.kind == "decode" else "top_k_per_row_prefill"
+        return super().decode(inputs, case)
+
+    prefill = decode
+
+
+def test_the_report_names_the_topk_kernel_that_ran(monkeypatch, capsys):
+    monkeypatch.setattr(selftest, "default_cases", lambda supertile: SMALL)
+    args = SimpleNamespace(json="-", broken=None)
+    assert selftest.report(PersistentTopkKernels(), ("CPU", (0, 0)), args, device="cpu") == selftest.OK
+    out = capsys.readouterr().out
+    assert "| decode-small | reference decode | persistent |" in out
+    assert "| prefill-small | reference prefill | top_k_per_row_prefill |" in out
+    doc = json.loads(out.splitlines()[-1])
+    assert [r["topk_kernel"] for r in doc["results"]] == ["persistent", "top_k_per_row_prefill"]
