@@ -233,3 +233,24 @@ def test_a_dcp_prefill_chunk_takes_its_rank_totals_from_the_host(world, interlea
     per_rank = get_dcp_local_seq_lens(seq, world, None, interleave)
     assert chunk.local_total_seq_lens == int(chunk.local_cu_seq_lens[-1]) == int(per_rank[:, rank].sum())
     assert chunk.max_local_total_seq_lens == int(per_rank.sum(dim=0).max())
+
+
+def test_the_indexer_layer_registers_the_metadata_kernels_for_warmup():
+    """Measured on an H200 (docs/validation/h200-2026-11-30-vllm0_33_0): with sm_90's
+    FLASH_ATTN_MLA_SPARSE, stock 0.33.0 never registers BuildPrefillChunkMetadataKernel and the
+    first prefill compiles it. Built under a warm-up registry, as both model runners build the
+    model, the overlay's indexer layer registers the builder's kernels (compile-only keys)."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    assert config.kernel_config.enable_jit_warmup  # vLLM's default
+    registry = JitWarmupRegistry(config)
+    with set_current_vllm_config(config), registry.activate():
+        for _ in range(2):  # one per indexer layer: registered once
+            SparseAttnIndexer(None, 128, "ue8m0", 2048, 128, 8192, 8192,
+                              torch.empty(1, 2048, dtype=torch.int32))
+    registered = {type(kernel).__name__: calls for kernel, calls in registry._registrations.items()}
+    assert registered["BuildPrefillChunkMetadataKernel"] == [((), {})]
+    assert registered["PrepareUniformDecodeKernel"] == [((), {})]

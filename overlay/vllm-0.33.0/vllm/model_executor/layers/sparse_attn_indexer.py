@@ -1111,6 +1111,18 @@ class SparseAttnIndexer(CustomOp):
                 pad_value=0 if use_fp4_cache else -float("inf"),
             )
             _UNPACK_SEQ_TRITON_KERNEL.register_warmup()
+            # The indexer metadata builder's Triton kernels. vLLM registers them
+            # only from MLAAttention, for a list of sparse backends without sm_90's
+            # FLASH_ATTN_MLA_SPARSE and FLASHINFER_MLA_SPARSE_SM90, so on an H100/H200
+            # the first prefill compiled BuildPrefillChunkMetadataKernel. Here, under
+            # the warm-up registry in both model runners; repeats are deduplicated.
+            from vllm.v1.attention.backends.mla.indexer import (
+                _BUILD_PREFILL_CHUNK_METADATA_KERNEL,
+                _PREPARE_UNIFORM_DECODE_KERNEL,
+            )
+
+            _PREPARE_UNIFORM_DECODE_KERNEL.register_warmup()
+            _BUILD_PREFILL_CHUNK_METADATA_KERNEL.register_warmup()
 
             if self.dcp_world_size > 1 and current_platform.is_cuda() and has_cutedsl():
                 from vllm.model_executor.kernels.attention.dsa.dcp_indexer_cutedsl import (  # noqa: E501
