@@ -209,17 +209,22 @@ def true_decode_max(spec: B.BatchSpec, md) -> int:
 
 
 def check_block_table_growth(model_dir: str) -> dict:
-    """The runner hands a block table wider than the builder's buffer.
+    """Flattened MTP (next_n=4 on sm_90) with the widest block table the runner hands.
 
-    Flattened MTP (next_n=4 on sm_90): stock raises on the variable-length path
-    and drops the last column on the uniform one; the overlay must give every
-    flattened row its request's full row.
+    vLLM 0.24.0's runner can hand a table wider than the builder's buffer (here 3 columns
+    wider): stock raises on the variable-length path and drops the last column on the
+    uniform one; the overlay must give every flattened row its request's full row. From
+    vLLM 0.28.0 the runner passes its width to the builder (`requires_block_table_width`),
+    so the widest table is the runner's own width: every row must still arrive whole.
     """
     rng = np.random.default_rng(SEED + 1)
-    builder = make_builder(make_vllm_config(model_dir, 3))
+    config = make_vllm_config(model_dir, 3)
+    builder = make_builder(config)
     buffer_width = builder.expanded_block_table_buffer.shape[1]
-    runner_width = buffer_width + 3
-    report = {"buffer_width": int(buffer_width), "runner_width": int(runner_width)}
+    told = bool(getattr(type(builder), "requires_block_table_width", False))
+    runner_width = runner_block_table_width(config) if told else buffer_width + 3
+    report = {"buffer_width": int(buffer_width), "runner_width": int(runner_width),
+              "builder_told_runner_width": told}
     for variable in (False, True):
         name = "variable" if variable else "uniform"
         spec = B.decode_batch(rng, f"wide_{name}", 8, 4, MAX_MODEL_LEN, variable)
@@ -270,9 +275,12 @@ def check_b12x_path(model_dir: str) -> dict:
                 entry = {"syncs": syncs, "sync_sites": sync_sites,
                          "chunks": len(md.prefill.chunks) if md.prefill else 0}
                 if md.decode is not None:
-                    entry["active_width"] = int(md.decode.active_width.item())
-                    entry["max_seq_len"] = md.decode.max_seq_len
-                    entry["true_max"] = true_decode_max(spec, md)
+                    # The 0.24.0 overlay's decode metadata carries its exact max and the
+                    # width in use; the 0.33.0 overlay's does not (upstream's fields only).
+                    if hasattr(md.decode, "active_width"):
+                        entry["active_width"] = int(md.decode.active_width.item())
+                        entry["max_seq_len"] = md.decode.max_seq_len
+                        entry["true_max"] = true_decode_max(spec, md)
                     entry["schedule"] = md.decode.schedule_metadata is not None
                 report["scenarios"][spec.name] = entry
     finally:
