@@ -90,15 +90,10 @@ export VLLM_DISABLE_COMPILE_CACHE=1
 
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
-# pip --target does not run .pth files: the CuTe DSL (for b12x) is put on the path by hand;
-# its package directory is python_packages in 4.5.x (vLLM 0.24.0) and dsl_packages in 4.8.x.
-cute_dsl() {
-  local d
-  for d in "$1"/nvidia_cutlass_dsl/python_packages "$1"/nvidia_cutlass_dsl/dsl_packages; do
-    [ -d "$d" ] && { echo "$d"; return 0; }
-  done
-  echo "$1/nvidia_cutlass_dsl: expected python_packages/ or dsl_packages/ (the CuTe DSL's wheels)" >&2
-  return 1
+# PYTHONPATH for a `pip install --target` site: the site and the CuTe DSL packages its .pth
+# would add (pip --target runs none; vLLM 0.33.0's GLM-5 attention imports `cutlass`).
+site_path() {
+  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.site_path "$1")
 }
 
 environment() {
@@ -135,15 +130,22 @@ inventory() {
 # the stage directory: moved, not copied, so a part is not copied again by every later call.
 # Each part is checked as it arrives; the count says how many are still to come.
 receive() {
-  local from="$repo/.stage/vllm-$vllm" total here
+  local from="$repo/.stage/vllm-$vllm" total here arrived=()
   mkdir -p "$stage"
-  if compgen -G "$from/*" > /dev/null; then mv "$from"/* "$stage"/ || exit 1; fi
+  if compgen -G "$from/*" > /dev/null; then
+    arrived=("$from"/*) && arrived=("${arrived[@]##*/}")
+    mv "$from"/* "$stage"/ || exit 1
+  fi
   [ -f "$stage/SHA256SUMS" ] || {
     echo "receive: expected $stage/SHA256SUMS; carry .stage/vllm-$vllm/SHA256SUMS and selection.txt" \
       "(with the first part)" >&2
     exit 1
   }
-  (cd "$stage" && sha256sum --quiet --ignore-missing -c SHA256SUMS) || {
+  # Only what this call carried is hashed: the earlier parts were checked when they arrived
+  # (hashing all of them every call made the transfer quadratic: 3 s a call by part 45).
+  local sums
+  sums=$(cd "$stage" && grep -F -f <(printf '  %s\n' "${arrived[@]}" 'no part arrived') SHA256SUMS)
+  [ -z "$sums" ] || (cd "$stage" && sha256sum --quiet -c - <<< "$sums") || {
     echo "receive: a part differs from SHA256SUMS (above); carry it again" >&2
     exit 1
   }
@@ -199,14 +201,14 @@ torch_libs() {
 }
 
 probes() {
-  local dsl
-  dsl=$(cute_dsl "$site_overlay") || exit 1
+  local stock overlay
+  stock=$(site_path "$site_stock") && overlay=$(site_path "$site_overlay") || exit 1
   log "indexer probe: stock"
-  (cd /tmp && PYTHONPATH="$site_stock:$repo" python3 -m dsa_image.validation.indexer_probe \
+  (cd /tmp && PYTHONPATH="$stock:$repo" python3 -m dsa_image.validation.indexer_probe \
     --model "$model" --out "$results/probe-stock.pt") > "$results/probe-stock.log" 2>&1
   tail -5 "$results/probe-stock.log"
   log "indexer probe: overlay"
-  (cd /tmp && PYTHONPATH="$site_overlay:$dsl:$repo" \
+  (cd /tmp && PYTHONPATH="$overlay:$repo" \
     python3 -m dsa_image.validation.indexer_probe \
     --model "$model" --out "$results/probe-overlay.pt" --overlay-checks) \
     > "$results/probe-overlay.log" 2>&1
@@ -226,10 +228,10 @@ serve() {
 }
 
 hosttime() {
-  local dsl
-  dsl=$(cute_dsl "$site_overlay") || exit 1
+  local overlay
+  overlay=$(site_path "$site_overlay") || exit 1
   log "host time of build(): stock and overlay in one process, interleaved"
-  (cd /tmp && PYTHONPATH="$site_overlay:$dsl:$repo" \
+  (cd /tmp && PYTHONPATH="$overlay:$repo" \
     python3 -m dsa_image.validation.host_time --overlay-checks \
     --model "$model" --json "$results/host-time.json" \
     --stock-indexer "$site_stock"/vllm/v1/attention/backends/mla/indexer.py) \
@@ -336,7 +338,9 @@ bench() {
 # installed in the site (the overlay's start-up check reads its release).
 b12x() {
   log "b12x path, emulated kernels: glue exactness and cross-checks"
-  (cd /tmp && PYTHONPATH="$repo/emulation:$site_overlay:$repo" python3 -m dsa_image.validation.b12x_glue \
+  local overlay
+  overlay=$(site_path "$site_overlay") || exit 1
+  (cd /tmp && PYTHONPATH="$repo/emulation:$overlay:$repo" python3 -m dsa_image.validation.b12x_glue \
     --model "$model" --json "$results/b12x-glue.json" --vllm "$vllm") > "$results/b12x-glue.log" 2>&1
   echo "b12x glue exit: $?" | tee -a "$results/b12x-glue.log"
   grep -v "compute-capability check bypassed\|^INFO\|^WARNING\|^DEBUG" "$results/b12x-glue.log" | tail -70
@@ -345,10 +349,11 @@ b12x() {
 
 selftest() {
   log "self-test: this GPU's kernels, the b12x refusal, a broken kernel"
-  local step
+  local step overlay
+  overlay=$(site_path "$site_overlay") || exit 1
   for step in "auto:" "refusal:--kernels b12x" "broken:--break prefill-long"; do
     # shellcheck disable=SC2086  # the step's arguments are split on purpose
-    (cd /tmp && PYTHONPATH="$site_overlay:$repo" python3 -m dsa_image.selftest ${step#*:} \
+    (cd /tmp && PYTHONPATH="$overlay:$repo" python3 -m dsa_image.selftest ${step#*:} \
       --json "$results/selftest-${step%%:*}.json") > "$results/selftest-${step%%:*}.txt" 2>&1
     echo "selftest ${step%%:*} exit: $?" | tee -a "$results/selftest-${step%%:*}.txt"
     grep -v "^INFO\|^WARNING\|^DEBUG" "$results/selftest-${step%%:*}.txt" | tail -12

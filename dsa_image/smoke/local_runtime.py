@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import IO
 
 from dsa_image.recipe import Recipe, Target
+from dsa_image.site_path import pythonpath
 from dsa_image.smoke.gpu import gpus_held, host_runner, query_gpus, query_inventory
 from dsa_image.smoke.layout import (SINGLE_GPU, Layout, LayoutError, check_fits, layout_record, query_shm,
                                     visible_local, visible_ray_cluster)
@@ -212,12 +213,12 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 def server_env(target: Target, site_packages: str | None, layout: Layout = SINGLE_GPU) -> dict[str, str]:
     """The environment of the server: ours, the target's env (e.g. the b12x switch), the
     layout's (Ray's log settings), and the --site-packages dir first on PYTHONPATH (a
-    `pip install --target` tree)."""
+    `pip install --target` tree, with the directories its .pth files would add)."""
     env = dict(os.environ)
     env.update(target.env)
     env.update(layout.server_env())
     if site_packages:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (site_packages, env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath(site_packages), env.get("PYTHONPATH")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
