@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dsa_image.site_path import pythonpath
 from dsa_image.validation import serving
 from dsa_image.validation.serving_modes import (
     SPEC_COUNTERS,
@@ -252,9 +253,11 @@ def _tokens_so_far(event: dict, before: int) -> int:
     usage = event.get("usage") or {}
     if "completion_tokens" in usage:
         return int(usage["completion_tokens"])
-    # A server without continuous usage: one token per chunk that carries text.
+    # A server without continuous usage: the chunk's token ids where it has them, else one token
+    # per choice chunk. Not "a chunk that carries text": a token may detokenize to nothing (a
+    # lone byte of a byte-level tokenizer; see serving.answered) and still arrives as a chunk.
     choices = event.get("choices") or []
-    return before + sum(1 for c in choices if c.get("text"))
+    return before + sum(len(c["token_ids"]) if c.get("token_ids") is not None else 1 for c in choices)
 
 
 def stream_completion(port: int, model: str, prompt: list[int], max_tokens: int,
@@ -390,7 +393,7 @@ _VERSIONS_SNIPPET = ("import importlib.metadata as m, json, sys\n"
 
 def build_versions(python: str, site: str) -> dict:
     """Package versions as that build's server sees them (its site-packages first)."""
-    env = dict(os.environ, PYTHONPATH=site)
+    env = dict(os.environ, PYTHONPATH=pythonpath(site))
     done = subprocess.run([python, "-c", _VERSIONS_SNIPPET], env=env, capture_output=True,
                           text=True, timeout=120, cwd=tempfile.gettempdir())
     versions = json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-500:]}

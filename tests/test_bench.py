@@ -42,7 +42,10 @@ class FakeOpenAI:
     """What a vLLM server answers, with delays, faults and a record of what it was asked.
 
     faults: http_500, short (one token less than max_tokens), no_done (the stream has no
-    [DONE]), salt (other tokens: a build that computes differently)."""
+    [DONE]), salt (other tokens: a build that computes differently), empty_text (tokens that
+    detokenize to "", as lone bytes of a byte-level tokenizer do), other_text (the same tokens,
+    another text: a detokenizer that differs), no_tokens (nothing generated), no_usage (a stream
+    without usage in its chunks)."""
 
     def __init__(self, ttft_s=0.0, token_s=0.0, max_model_len=8192, faults=(), unhealthy_polls=0,
                  spec=False, jit_line_on_first=False):
@@ -75,8 +78,26 @@ class FakeOpenAI:
                 self.counters["pos1"] += tokens // 8
 
     def output(self, prompt, max_tokens: int) -> list[int]:
+        if "no_tokens" in self.faults:
+            return []
         count = max_tokens - (1 if "short" in self.faults else 0)
         return fake_ids(prompt, count, 1 if "salt" in self.faults else 0)
+
+    def text(self, ids: list[int]) -> str:
+        if "empty_text" in self.faults:
+            return ""
+        return "".join(f" {'v' if 'other_text' in self.faults else 'w'}{t}" for t in ids)
+
+    def logprobs(self, ids: list[int], body: dict) -> dict | None:
+        """vLLM's completion logprobs: the chosen tokens' and, per position, the `logprobs` most
+        likely tokens (keyed "token_id:N" with return_tokens_as_token_ids)."""
+        if body.get("logprobs") is None:
+            return None
+        def key(t):
+            return f"token_id:{t}" if body.get("return_tokens_as_token_ids") else f" w{t}"
+        chosen = [-1.0 - (t % 7) / 10 for t in ids]
+        top = [{key(t + r): lp - r for r in range(body["logprobs"])} for t, lp in zip(ids, chosen)]
+        return {"token_logprobs": chosen, "top_logprobs": top}
 
     def metrics(self) -> str:
         lines = ['vllm:num_requests_running{engine="0",model_name="glm-5"} 0.0']
@@ -140,9 +161,9 @@ def make_handler(state: FakeOpenAI):
             prompts = self._prompts(body)
             outs = [state.output(p, body["max_tokens"]) for p in prompts]
             time.sleep(state.ttft_s + state.token_s * body["max_tokens"])
-            choices = [{"index": i, "text": "".join(f" w{t}" for t in ids), "finish_reason": "length",
+            choices = [{"index": i, "text": state.text(ids), "finish_reason": "length",
                         "token_ids": ids if body.get("return_token_ids") else None,
-                        "logprobs": {"token_logprobs": [-1.0 - (t % 7) / 10 for t in ids]} if body.get("logprobs") is not None else None}
+                        "logprobs": state.logprobs(ids, body)}
                        for i, ids in enumerate(outs)]
             produced = sum(len(ids) for ids in outs)
             self._send(200, {"choices": choices[::-1],  # the server's order is not the prompts'
@@ -157,11 +178,14 @@ def make_handler(state: FakeOpenAI):
             self.end_headers()
             time.sleep(state.ttft_s)
             for n, token in enumerate(ids, 1):
-                chunk = {"choices": [{"index": 0, "text": f" w{token}"}], "usage": {"completion_tokens": n}}
+                chunk = {"choices": [{"index": 0, "text": state.text([token])}]}
+                if "no_usage" not in state.faults:
+                    chunk["usage"] = {"completion_tokens": n}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
                 time.sleep(state.token_s)
-            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': len(ids)}})}\n\n".encode())
+            if "no_usage" not in state.faults:
+                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': len(ids)}})}\n\n".encode())
             if "no_done" not in state.faults:
                 self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
@@ -411,6 +435,14 @@ def test_stream_completion_times_the_first_and_each_token():
     assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
 
 
+def test_stream_completion_counts_tokens_that_decode_to_no_text():
+    # Without usage in its chunks, each choice chunk is a token, its text "" or not (a lone byte).
+    with FakeServer(FakeOpenAI(faults={"no_usage", "empty_text"})) as server:
+        sample = bench.stream_completion(server.port, "glm-5", [9, 10, 11], 12)
+    assert sample.error is None and sample.tokens == 12 and sample.tpot is not None
+    assert bench._tokens_so_far({"choices": [{"index": 0, "text": "", "token_ids": [5, 6]}]}, 3) == 5
+
+
 @pytest.mark.parametrize("fault, message", [("http_500", "HTTP 500"), ("short", "11 tokens, expected 12"),
                                             ("no_done", "without data: [DONE]")])
 def test_stream_completion_reports_a_broken_answer(fault, message):
@@ -626,8 +658,8 @@ def test_complete_batch_returns_choices_in_prompt_order():
     assert all(len(c["logprobs"]) == 5 and c["text"] for c in out)
 
 
-def _run_modes(tmp_path, tiny_model, modes: str, overlay_fake: dict) -> tuple[int, dict]:
-    stock = fake_vllm_site(tmp_path / "stock", fake={"spec": True})
+def _run_modes(tmp_path, tiny_model, modes: str, overlay_fake: dict, stock_fake: dict | None = None) -> tuple[int, dict]:
+    stock = fake_vllm_site(tmp_path / "stock", fake={"spec": True, **(stock_fake or {})})
     overlay = fake_vllm_site(tmp_path / "overlay", fake={"spec": True, **overlay_fake})
     code = serving_modes.main(["--modes", modes, "--model", str(tiny_model), "--mtp-model", str(tiny_model),
                                "--stock-site", str(stock), "--overlay-site", str(overlay),
@@ -639,7 +671,9 @@ def test_serving_modes_pass_when_both_builds_answer_alike(tmp_path, tiny_model):
     code, doc = _run_modes(tmp_path, tiny_model, "mtp3,long-fp8", {})
     assert code == 0 and doc["ok"], json.dumps(doc)[:2000]
     mtp3, long_fp8 = doc["modes"]["mtp3"], doc["modes"]["long-fp8"]
-    assert mtp3["stock_vs_overlay"] == {"identical_tokens": True, "mismatches": [], "max_abs_logprob_diff": 0.0}
+    assert mtp3["stock_vs_overlay"] == {"identical_tokens": True, "mismatches": [], "text_mismatches": [],
+                                        "max_abs_logprob_diff": 0.0}
+    assert mtp3["unanswered"] == mtp3["empty_text"] == {}
     assert mtp3["spec_decode_agrees"] is True and mtp3["spec_decode"]["stock"]["acceptance_rate"] == 0.25
     assert long_fp8["prompt_lengths"][-1] == 65400
     assert "--kv-cache-dtype" in long_fp8["server_args"] and "fp8_ds_mla" in long_fp8["server_args"]
@@ -652,6 +686,30 @@ def test_serving_modes_fail_when_the_overlay_answers_otherwise(tmp_path, tiny_mo
     assert code == 1 and not doc["ok"]
     mismatches = doc["modes"]["fp8"]["stock_vs_overlay"]["mismatches"]
     assert "sequential[0] (20 tokens)" in mismatches and "concurrent[5] (7000 tokens)" in mismatches
+
+
+def test_serving_modes_pass_when_the_same_tokens_decode_to_empty_text(tmp_path, tiny_model):
+    # vLLM 0.33.0, random weights: both builds repeat a lone byte token, "" as text. They answered.
+    code, doc = _run_modes(tmp_path, tiny_model, "fp8", {"faults": ["empty_text"]}, {"faults": ["empty_text"]})
+    fp8 = doc["modes"]["fp8"]
+    assert code == 0 and doc["ok"], json.dumps(fp8)[:2000]
+    assert fp8["unanswered"] == {} and fp8["stock_vs_overlay"]["text_mismatches"] == []
+    assert set(fp8["empty_text"]) == {"stock", "overlay"} and "concurrent[5]" in fp8["empty_text"]["overlay"]
+
+
+def test_serving_modes_fail_when_no_tokens_are_generated(tmp_path, tiny_model):
+    code, doc = _run_modes(tmp_path, tiny_model, "fp8", {"faults": ["no_tokens"]}, {"faults": ["no_tokens"]})
+    fp8 = doc["modes"]["fp8"]
+    assert code == 1 and not doc["ok"]
+    assert fp8["stock_vs_overlay"]["identical_tokens"]  # nothing equals nothing: the failure is the answer
+    assert set(fp8["unanswered"]) == {"stock", "overlay"} and "sequential[0]" in fp8["unanswered"]["stock"]
+
+
+def test_serving_modes_fail_when_the_same_tokens_give_other_text(tmp_path, tiny_model):
+    code, doc = _run_modes(tmp_path, tiny_model, "fp8", {"faults": ["other_text"]})
+    comparison = doc["modes"]["fp8"]["stock_vs_overlay"]
+    assert code == 1 and not doc["ok"]
+    assert comparison["identical_tokens"] and "sequential[0] (20 tokens)" in comparison["text_mismatches"]
 
 
 def test_fake_site_process_stops_on_sigterm(tmp_path):

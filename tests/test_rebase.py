@@ -590,7 +590,7 @@ def test_changes_toml_is_not_a_stray_overlay_file(tmp_path):
 @pytest.mark.parametrize("version, changes", [
     ("0.24.0", {"b12x-indexer", "block-table-width", "envs-switch", "numpy-chunk-split", "prefill-kernel-prewarm",
                 "sync-free-metadata"}),
-    ("0.33.0", {"b12x-indexer", "dcp-prefill-sync"}),
+    ("0.33.0", {"b12x-indexer", "dcp-prefill-sync", "metadata-kernel-warmup"}),
 ])
 def test_the_repos_changes_toml_is_what_the_manifest_records(version, changes):
     """Each committed manifest carries exactly the changes its changes.toml defines (record

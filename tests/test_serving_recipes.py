@@ -521,6 +521,23 @@ def test_scaled_down_keeps_what_sm90_runs_and_names_what_it_changes():
     assert sm90 == {"--attention-backend", "VLLM_USE_B12X_SPARSE_INDEXER"}
 
 
+@pytest.mark.parametrize("vllm, name, backend, kv", [
+    ("0.24.0", "glm-5-fp8-8xb200", "FLASHMLA_SPARSE", "fp8"),
+    ("0.33.0", "glm-5-fp8-8xb200", "FLASHMLA_SPARSE", "fp8"),  # FLASH_ATTN_MLA_SPARSE takes no fp8
+    ("0.33.0", "glm-5.2-nvfp4-8xspark", "FLASHMLA_SPARSE", "fp8_ds_mla"),
+])
+def test_scaled_down_keeps_the_kv_cache_on_an_sm90_backend_that_takes_it(vllm, name, backend, kv):
+    """The sm90 target's backend on 0.33.0 (FLASH_ATTN_MLA_SPARSE) stores bf16 only: a recipe's
+    quantized cache moves to the sm_90 backend that takes it rather than losing its dtype."""
+    build = load_recipe(vllm=vllm)
+    run = scaled.scale_down(sr.load_serve_recipe(name, build=build), build)
+    assert run.args[run.args.index("--attention-backend") + 1] == backend
+    assert run.args[run.args.index("--kv-cache-dtype") + 1] == kv
+    change = next(c for c in run.changes if c.what == "--attention-backend")
+    assert change.scaled == backend
+    assert [c.scaled for c in run.changes if c.what == "--kv-cache-dtype"] in ([], [kv])
+
+
 def test_scaled_down_runs_are_deduplicated():
     runs = scaled.scaled_runs(ALL, BUILD, gpus=1)
     assert sorted(len(r.recipes) for r in runs) == [1, 1, 2, 3]

@@ -394,18 +394,18 @@ def test_the_isolated_workers_ray_session_is_found_under_its_private_dir(tmp_pat
 # -- verdicts and the comparison -------------------------------------------------------------------
 
 
-def _results(tokens, logprob=-1.0):
-    one = {"token_ids": tokens, "logprobs": [logprob] * len(tokens), "text": "x"}
+def _results(tokens, logprob=-1.0, text="x"):
+    one = {"token_ids": tokens, "logprobs": [logprob] * len(tokens), "text": text}
     return {"sequential": [one] * len(cluster.PROMPT_LENGTHS), "concurrent": [one] * len(cluster.PROMPT_LENGTHS)}
 
 
-def _run(name, stock_tokens=(1, 2), overlay_tokens=(1, 2), method=None, **extra):
+def _run(name, stock_tokens=(1, 2), overlay_tokens=(1, 2), method=None, stock_text="x", overlay_text="x", **extra):
     spec = _spec(name)
     method = method or spec.method
     run = cluster.run_header(spec, method, {}, [name])
-    for build, tokens in (("stock", stock_tokens), ("overlay", overlay_tokens)):
-        run["builds"][build] = {"healthy_after_s": 90.5, "results": _results(list(tokens)), "evidence_problems": [],
-                                **extra}
+    for build, tokens, text in (("stock", stock_tokens, stock_text), ("overlay", overlay_tokens, overlay_text)):
+        run["builds"][build] = {"healthy_after_s": 90.5, "results": _results(list(tokens), text=text),
+                                "evidence_problems": [], **extra}
     run["finished_at"] = "2026-12-01T10:00:00Z"
     run.update(cluster.run_verdict(run))
     return run
@@ -414,6 +414,26 @@ def _run(name, stock_tokens=(1, 2), overlay_tokens=(1, 2), method=None, **extra)
 def test_a_run_is_ok_when_both_builds_served_and_agree():
     run = _run("ray2-tp2", method="netns")
     assert run["ok"] and run["problems"] == [] and run["stock_vs_overlay"]["identical_tokens"]
+
+
+def test_a_run_is_ok_when_both_builds_generate_the_same_tokens_that_decode_to_empty_text():
+    # vLLM 0.33.0, random weights: a lone byte token repeated, "" as text. Recorded, not a problem.
+    run = _run("ray2-tp2", stock_tokens=(257, 257), overlay_tokens=(257, 257), method="netns",
+               stock_text="", overlay_text="")
+    assert run["ok"] and run["problems"] == [], run["problems"]
+    assert set(run["empty_text"]) == {"stock", "overlay"} and run["empty_text"]["stock"][0] == "sequential[0]"
+
+
+def test_a_run_fails_when_a_build_generated_no_tokens_or_the_same_tokens_give_other_text():
+    nothing = _run("ray2-tp2", stock_tokens=(), overlay_tokens=(), method="netns", stock_text="", overlay_text="")
+    assert not nothing["ok"]
+    assert nothing["problems"][0] == "stock: no tokens generated: " + ", ".join(
+        f"{batch}[{i}]" for batch in ("sequential", "concurrent") for i in range(len(cluster.PROMPT_LENGTHS)))
+    other = _run("ray2-tp2", method="netns", overlay_text="y")
+    assert not other["ok"] and other["stock_vs_overlay"]["identical_tokens"]
+    assert other["problems"] == ["the same tokens detokenized to other text: sequential[0] (20 tokens), "
+                                 "sequential[1] (300 tokens), sequential[2] (3000 tokens), concurrent[0] (20 tokens), "
+                                 "concurrent[1] (300 tokens), concurrent[2] (3000 tokens)"]
 
 
 def test_a_run_fails_on_differing_tokens_an_unhealthy_build_or_evidence():

@@ -1022,15 +1022,18 @@ def build_problems(report: dict) -> list[str]:
     results = report.get("results")
     if isinstance(healthy, float) and not results and not report.get("error"):
         problems.append("no results")
-    if results and any(not c["text"] for batch in results.values() for c in batch):
-        problems.append("an empty completion")
+    # Generated no tokens, not "empty text": random weights may generate tokens that detokenize
+    # to nothing (serving.answered); run_verdict records those outputs.
+    if results and (unanswered := serving.unanswered_outputs(results)):
+        problems.append("no tokens generated: " + ", ".join(unanswered))
     problems += report.get("evidence_problems", [])
     return problems
 
 
 def run_verdict(run: dict) -> dict:
-    """ok: the run went as expected. For 'serve': both builds healthy, answered, evidence as
-    planned, identical tokens; for 'index-error' (the control): both builds logged the IndexError."""
+    """ok: the run went as expected. For 'serve': both builds healthy, answered (generated tokens;
+    outputs that decoded to empty text are listed in `empty_text`), evidence as planned, identical
+    tokens and texts; for 'index-error' (the control): both builds logged the IndexError."""
     builds = run["builds"]
     if run["expected"] == "index-error":
         reproduced = {b: bool(r.get("logged", {}).get("index_error") or r.get("index_error_in_ray_logs"))
@@ -1041,12 +1044,16 @@ def run_verdict(run: dict) -> dict:
     problems = [f"{b}: {p}" for b, r in builds.items() for p in build_problems(r)]
     if any(b not in builds for b in BUILDS):
         problems.append(f"builds run: {sorted(builds)}, expected {list(BUILDS)}")
-    verdict = {"problems": problems}
+    verdict = {"problems": problems,
+               "empty_text": serving.output_findings({b: r.get("results") or {} for b, r in builds.items()})["empty_text"]}
     if all(builds.get(b, {}).get("results") for b in BUILDS):
         verdict["stock_vs_overlay"] = serving.compare(builds["stock"]["results"], builds["overlay"]["results"],
                                                       PROMPT_LENGTHS)
         if not verdict["stock_vs_overlay"]["identical_tokens"]:
             problems.append("stock and overlay tokens differ: " + ", ".join(verdict["stock_vs_overlay"]["mismatches"]))
+        if verdict["stock_vs_overlay"]["text_mismatches"]:
+            problems.append("the same tokens detokenized to other text: "
+                            + ", ".join(verdict["stock_vs_overlay"]["text_mismatches"]))
     verdict["ok"] = not problems and "stock_vs_overlay" in verdict
     return verdict
 

@@ -13,7 +13,7 @@ scaled-down forms are identical are served once.
         [--work DIR]
 
 Per run: the server's time to /health, a short and a 3000-token greedy completion (both must
-answer with text), and a chat completion with a tool offered (recorded: it exercises the
+generate tokens; their text may be empty), and a chat completion with a tool offered (recorded: it exercises the
 recipe's tool-call and reasoning parsers on the tiny tokenizer, which has none of GLM's
 <think>/<tool_call> tokens). Writes DIR/<run>.json, DIR/<run>.log and DIR/summary.json (gathered
 across calls); exits 0 when every run of this call served and answered, 2 without starting a server
@@ -40,11 +40,12 @@ from .. import tiny_model
 from ..compile_caches import cache_env
 from ..memory_plan import backends
 from ..recipe import Recipe, load_recipe
+from ..site_path import pythonpath
 from ..serving_recipes import (
     RECIPES_DIR, ServeRecipe, attention_backend, environment, kv_cache_dtype, load_serve_recipe,
     serve_recipe_names, vllm_args,
 )
-from .serving import prompts, stop
+from .serving import answered, prompts, stop
 
 SCALED_TARGET = "sm90"
 LONG_PROMPT = 3000  # > index_topk (2048): the prefill reaches the indexer
@@ -80,6 +81,19 @@ def _largest_divisor(n: int, at_most: int) -> int:
     return max(d for d in range(1, at_most + 1) if n % d == 0)
 
 
+def sm90_backend_for(table: dict, default: str, kv: str) -> tuple[str, str]:
+    """The sm_90 sparse-MLA backend for a recipe whose own does not run there, and why: the sm90
+    image's when it takes the recipe's KV dtype, else the first of the release's that does (vLLM
+    0.33.0's sm_90 default, FLASH_ATTN_MLA_SPARSE, takes bf16 caches only: an fp8 recipe keeps
+    its fp8 cache on FLASHMLA_SPARSE)."""
+    if kv in table[default].kv_cache_dtypes_on(9):
+        return default, "the sm90 image's sparse-MLA backend instead"
+    takes = [name for name, spec in table.items() if kv in spec.kv_cache_dtypes_on(9)]
+    if takes:
+        return takes[0], f"{takes[0]}, the sm_90 sparse-MLA backend that takes {kv}, instead"
+    return default, "the sm90 image's sparse-MLA backend instead"
+
+
 def scale_down(recipe: ServeRecipe, build: Recipe, gpus: int = 1) -> ScaledRun:
     """The recipe's flags on `gpus` H200s with the tiny GLM-5."""
     target = SCALED_TARGET if SCALED_TARGET in recipe.targets else recipe.targets[0]
@@ -90,15 +104,15 @@ def scale_down(recipe: ServeRecipe, build: Recipe, gpus: int = 1) -> ScaledRun:
 
     table = backends(build.vllm_version)
     backend = attention_backend(recipe, target, build)
+    kv = kv_cache_dtype(recipe, target, build)
     if 9 not in table[backend].capability_majors:
-        changes.append(Change("--attention-backend", backend, sm90.attention_backend,
+        instead, why = sm90_backend_for(table, sm90.attention_backend, kv)
+        changes.append(Change("--attention-backend", backend, instead,
                               f"{backend} runs on compute capability "
                               f"{'/'.join(map(str, table[backend].capability_majors))}.x only (vLLM "
-                              f"{build.vllm_version} supports_compute_capability); the sm90 image's sparse-MLA "
-                              "backend instead", True))
-        backend = sm90.attention_backend
+                              f"{build.vllm_version} supports_compute_capability); {why}", True))
+        backend = instead
     vllm["attention_backend"] = backend
-    kv = kv_cache_dtype(recipe, target, build)
     if kv not in table[backend].kv_cache_dtypes_on(9):
         changes.append(Change("--kv-cache-dtype", kv, sm90.kv_cache_dtype,
                               f"{backend} does not take {kv}", True))
@@ -185,7 +199,8 @@ def completion(port: int, served: str, prompt: list[int]) -> dict:
     body = answer["body"]
     if answer["status"] == 200:
         choice = body["choices"][0]
-        return {"ok": bool(choice["text"]), "prompt_tokens": body["usage"]["prompt_tokens"],
+        # Answered: generated tokens. Their text may be empty (serving.answered says why).
+        return {"ok": answered(choice, body["usage"]), "prompt_tokens": body["usage"]["prompt_tokens"],
                 "completion_tokens": body["usage"]["completion_tokens"], "text": choice["text"],
                 "finish_reason": choice["finish_reason"]}
     return {"ok": False, "status": answer["status"], "error": body}
@@ -262,7 +277,7 @@ def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, s
     home = fresh_home(work / f"home-{run.name}")
     env = {**os.environ, **run.env, "HOME": str(home), **cache_env(str(home))}
     if site:
-        env["PYTHONPATH"] = site
+        env["PYTHONPATH"] = pythonpath(site)
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *args]
     result = {"run": run.name, "recipes": list(run.recipes), "command": cmd[3:], "env": run.env,
               "changes": [asdict(c) for c in run.changes]}
@@ -313,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="recipes (default: all)")
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--python", default=sys.executable, help="the Python that has vLLM")
-    parser.add_argument("--site-packages", help="PYTHONPATH for the servers (e.g. the overlaid vLLM)")
+    parser.add_argument("--site-packages", help="the site the servers import vLLM from (e.g. the overlaid vLLM, a `pip install --target` tree; its CuTe DSL packages are added)")
     parser.add_argument("--work", type=Path, help="tiny models and per-run HOMEs (default: a new temporary "
                                                   "directory); kept out of --out, which keeps only results")
     parser.add_argument("--port", type=int, default=8200)

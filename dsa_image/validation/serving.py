@@ -5,10 +5,11 @@ Starts the three servers side by side on one GPU, with vLLM's default flags (CUD
 compile cache shared) and a fixed KV-cache size (vLLM's memory profiling would
 count the other servers' allocations as its own), sends each the same greedy
 requests (short prompts and prompts over 2048 tokens, one by one and then
-several at once) and compares the generated token ids and logprobs. Stock against stock first: only
-if that repeats exactly does a stock/overlay difference mean something. Also
+several at once) and compares the generated token ids, texts and logprobs. Stock against stock
+first: only if that repeats exactly does a stock/overlay difference mean something. Also
 reports, per server, the Triton kernels the JIT monitor saw compiled during
-inference.
+inference, and per comparison how often the top-5 token sets agree (information: random weights
+can make greedy output degenerate, one token repeated, and the top-5 still compare the logits).
 
 Stdlib only (runs under any Python that can start vLLM). Usage:
     python -m dsa_image.validation.serving --model DIR --stock-site S \
@@ -32,10 +33,12 @@ import urllib.error
 import urllib.request
 
 from dsa_image.compile_caches import cache_env
+from dsa_image.site_path import pythonpath
 
 SERVED_NAME = "glm-5"
 PROMPT_LENGTHS = (20, 300, 2049, 3000, 5000, 7000)
 MAX_TOKENS = 24
+TOP_LOGPROBS = 5  # per generated position: compared as sets, for information (compare())
 JIT_LINE = re.compile(r"JIT compilation during inference: (\w+)")
 
 
@@ -50,7 +53,8 @@ def server_env(site: str, home: str, env_extra: dict | None = None) -> dict:
     its own HOME and compile caches (the cluster harness starts Ray nodes with it too: Ray
     workers inherit the environment of `ray start`). Creates HOME."""
     os.makedirs(home, exist_ok=True)
-    return {**os.environ, "PYTHONPATH": site, "HOME": home, **cache_env(home), **(env_extra or {})}
+    return {**os.environ, "PYTHONPATH": pythonpath(site), "HOME": home, **cache_env(home),
+            **(env_extra or {})}
 
 
 def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
@@ -103,16 +107,81 @@ def wait_all_healthy(servers, deadline) -> dict:
 def complete(port: int, prompt: list[int]) -> dict:
     body = json.dumps({
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
-        "temperature": 0.0, "logprobs": 1, "return_token_ids": True,
+        "temperature": 0.0, "logprobs": TOP_LOGPROBS, "return_token_ids": True,
+        # Top-logprob keys as "token_id:N": as token strings, lone byte tokens of the tiny
+        # byte-level tokenizer may all decode to one replacement character, one key for several.
+        "return_tokens_as_token_ids": True,
         "ignore_eos": True,
     }).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         choice = json.load(r)["choices"][0]
-    return {"token_ids": choice.get("token_ids"),
-            "logprobs": choice["logprobs"]["token_logprobs"],
-            "text": choice["text"]}
+    return parse_choice(choice, TOP_LOGPROBS)
+
+
+def parse_choice(choice: dict, top: int = 0) -> dict:
+    """What the harnesses keep of one completion choice (requested with return_token_ids and
+    logprobs): token ids, the chosen tokens' logprobs, the text and, with `top`, each generated
+    position's `top` most likely tokens (ids where the server gave "token_id:N" keys)."""
+    parsed = {"token_ids": choice.get("token_ids"),
+              "logprobs": choice["logprobs"]["token_logprobs"],
+              "text": choice["text"]}
+    if top:
+        parsed["top_tokens"] = [None if position is None else
+                                [_token_key(k) for k in sorted(position, key=position.get, reverse=True)[:top]]
+                                for position in choice["logprobs"].get("top_logprobs") or []]
+    return parsed
+
+
+def _token_key(key: str) -> int | str:
+    return int(key[len("token_id:"):]) if key.startswith("token_id:") else key
+
+
+# -- did a server answer ------------------------------------------------------------------------
+
+
+def answered(choice: dict, usage: dict | None = None) -> bool:
+    """Whether a server generated tokens for one completion choice: the choice's token ids where
+    it has them (return_token_ids), else the response's usage.completion_tokens (one prompt).
+
+    Not whether its text is non-empty: greedy decoding of random weights may repeat a token that
+    detokenizes to nothing (vLLM 0.33.0 on the tiny GLM-5: token 257, a lone byte of the
+    byte-level tokenizer, an invalid UTF-8 sequence on its own, 24 times, "" as text), and
+    that server did answer."""
+    token_ids = choice.get("token_ids")
+    if token_ids is not None:
+        return len(token_ids) > 0
+    return bool(usage) and int(usage.get("completion_tokens") or 0) > 0
+
+
+def _labelled(results: dict[str, list[dict]]):
+    """("sequential[3]", choice), ... for each output of one server's results."""
+    for batch, choices in results.items():
+        for i, choice in enumerate(choices):
+            yield f"{batch}[{i}]", choice
+
+
+def unanswered_outputs(results: dict[str, list[dict]]) -> list[str]:
+    """The outputs of one server that generated no tokens: a failure."""
+    return [label for label, choice in _labelled(results) if not answered(choice)]
+
+
+def empty_text_outputs(results: dict[str, list[dict]]) -> list[str]:
+    """The outputs of one server whose tokens decoded to empty text: recorded, not a failure
+    (see answered); comparing builds, compare() requires the same tokens to give the same text."""
+    return [label for label, choice in _labelled(results) if answered(choice) and not choice["text"]]
+
+
+def output_findings(results_by_server: dict[str, dict]) -> dict:
+    """Per server (only those with any): `unanswered` outputs and `empty_text` outputs."""
+    findings: dict[str, dict[str, list[str]]] = {"unanswered": {}, "empty_text": {}}
+    for name, results in results_by_server.items():
+        for key, outputs in (("unanswered", unanswered_outputs(results)),
+                             ("empty_text", empty_text_outputs(results))):
+            if outputs:
+                findings[key][name] = outputs
+    return findings
 
 
 def run_requests(port: int, batch: list[list[int]]) -> dict:
@@ -123,17 +192,39 @@ def run_requests(port: int, batch: list[list[int]]) -> dict:
 
 
 def compare(a: dict, b: dict, lengths=PROMPT_LENGTHS) -> dict:
-    """Token-for-token and logprob comparison of two servers' results."""
-    token_mismatches, max_logprob_diff = [], 0.0
+    """Two servers' results output by output: token ids (`mismatches`), texts where the token ids
+    are the same (`text_mismatches`: the same tokens must detokenize the same), the chosen tokens'
+    logprobs and, where both recorded top tokens (complete()), the share of generated positions
+    whose top-k token sets agree. The last two are information, not a verdict: run-to-run noise
+    (~5e-4 in a logprob) can swap near-ties at rank k."""
+    token_mismatches, text_mismatches, max_logprob_diff = [], [], 0.0
+    top_positions = top_agreeing = top_k = 0
     for mode in ("sequential", "concurrent"):
         for i, (x, y) in enumerate(zip(a[mode], b[mode])):
+            label = f"{mode}[{i}] ({lengths[i]} tokens)"
             if x["token_ids"] != y["token_ids"]:
-                token_mismatches.append(f"{mode}[{i}] ({lengths[i]} tokens)")
+                token_mismatches.append(label)
+            elif x["text"] != y["text"]:
+                text_mismatches.append(label)
             diffs = [abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])
                      if p is not None and q is not None]
             max_logprob_diff = max([max_logprob_diff, *diffs])
-    return {"identical_tokens": not token_mismatches, "mismatches": token_mismatches,
-            "max_abs_logprob_diff": max_logprob_diff}
+            if "top_tokens" in x and "top_tokens" in y:
+                pairs = [(p, q) for p, q in zip(x["top_tokens"], y["top_tokens"]) if p is not None and q is not None]
+                top_positions += len(pairs)
+                top_agreeing += sum(set(p) == set(q) for p, q in pairs)
+                top_k = max([top_k, *(len(p) for p, _ in pairs)])
+    report = {"identical_tokens": not token_mismatches, "mismatches": token_mismatches,
+              "text_mismatches": text_mismatches, "max_abs_logprob_diff": max_logprob_diff}
+    if top_positions:
+        report["top_tokens"] = {"k": top_k, "positions": top_positions,
+                                "same_set_share": round(top_agreeing / top_positions, 6)}
+    return report
+
+
+def same_outputs(comparison: dict) -> bool:
+    """compare()'s verdict where two builds must agree: the same tokens, detokenized the same."""
+    return bool(comparison.get("identical_tokens")) and not comparison.get("text_mismatches")
 
 
 def jit_kernels_during_inference(log_path: str) -> list[str]:
@@ -195,6 +286,20 @@ def stop(server) -> None:
             os.killpg(server["proc"].pid, signal.SIGKILL)
 
 
+def verdict(report: dict) -> bool:
+    """Stock repeats itself and the overlay matches it (tokens and texts), every server generated
+    tokens (empty text alone is recorded, not failed: see answered()), and the overlay did not
+    JIT-compile the prefill chunk metadata kernel during inference."""
+    return bool(
+        "error" not in report
+        and same_outputs(report.get("stock_vs_stock", {}))
+        and same_outputs(report.get("stock_vs_overlay", {}))
+        and not report.get("unanswered")
+        and "_build_prefill_chunk_metadata_kernel"
+        not in report.get("jit_during_inference", {}).get("overlay", ["missing"])
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -226,8 +331,7 @@ def main(argv=None) -> int:
         report["stock_vs_stock"] = compare(results["stock_a"], results["stock_b"])
         report["stock_vs_overlay"] = compare(results["stock_a"], results["overlay"])
         report["sample_tokens"] = {n: r["sequential"][3]["token_ids"] for n, r in results.items()}
-        report["empty_text"] = [n for n, r in results.items()
-                                if any(not c["text"] for m in r.values() for c in m)]
+        report.update(output_findings(results))
     except Exception as e:  # noqa: BLE001 - reported, then servers are stopped
         report["error"] = f"{type(e).__name__}: {e}"
     finally:
@@ -235,14 +339,7 @@ def main(argv=None) -> int:
             stop(s)
     report["jit_during_inference"] = {s["name"]: jit_kernels_during_inference(s["log"])
                                       for s in servers}
-    report["ok"] = bool(
-        "error" not in report
-        and report.get("stock_vs_stock", {}).get("identical_tokens")
-        and report.get("stock_vs_overlay", {}).get("identical_tokens")
-        and not report.get("empty_text")
-        and "_build_prefill_chunk_metadata_kernel"
-        not in report["jit_during_inference"].get("overlay", ["missing"])
-    )
+    report["ok"] = verdict(report)
     with open(os.path.join(args.out, "serving-equivalence.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps({k: v for k, v in report.items() if k != "sample_tokens"}, indent=1))

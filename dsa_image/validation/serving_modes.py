@@ -4,7 +4,7 @@ MTP speculative decoding, long context and the fp8 KV cache, with CUDA graphs on
 
 Each mode starts one stock and one overlay server (all modes' servers at once, side by side on
 one GPU, each with its own HOME and the same fixed KV-cache size), sends each server the same
-greedy requests, one by one and then as one batch, and compares the token ids and logprobs.
+greedy requests, one by one and then as one batch, and compares the token ids, texts and logprobs.
 The modes and the overlay paths they serve:
 
     mtp1           MTP, 1 speculative token: next_n=2, the indexer's native decode path
@@ -234,8 +234,7 @@ def complete_batch(port: int, prompts: list[list[int]], max_tokens: int, timeout
     if response.status != 200:
         raise RuntimeError(f"port {port}: HTTP {response.status}: {raw[:500]!r}")
     choices = sorted(json.loads(raw)["choices"], key=lambda c: c["index"])
-    return [{"token_ids": c.get("token_ids"), "logprobs": c["logprobs"]["token_logprobs"],
-             "text": c["text"]} for c in choices]
+    return [serving.parse_choice(c) for c in choices]
 
 
 def run_mode_requests(port: int, prompts: dict[str, list[list[int]]], max_tokens: int,
@@ -327,7 +326,7 @@ def exercise(run: dict) -> dict:
         report["request_time_s"][side] = round(time.monotonic() - t0, 2)
         report["spec_decode"][side] = acceptance(counter_delta(before, settled_spec_counters(server["port"])))
     report["stock_vs_overlay"] = serving.compare(results["stock"], results["overlay"], mode.prompt_lengths)
-    report["empty_text"] = [side for side, r in results.items() if any(not c["text"] for m in r.values() for c in m)]
+    report.update(serving.output_findings(results))
     report["sample_tokens"] = {side: r["sequential"][-1]["token_ids"][:16] for side, r in results.items()}
     return report
 
@@ -342,9 +341,10 @@ def spec_agrees(spec: dict) -> bool | None:
 
 
 def mode_ok(mode: Mode, report: dict) -> bool:
-    if "error" in report or report.get("empty_text"):
+    # Empty text alone is recorded, not failed (serving.answered); a server without tokens fails.
+    if "error" in report or report.get("unanswered"):
         return False
-    if not report.get("stock_vs_overlay", {}).get("identical_tokens"):
+    if not serving.same_outputs(report.get("stock_vs_overlay", {})):
         return False
     # With MTP the draft layer runs the indexer too: its counters must match, and exist.
     return report.get("spec_decode_agrees") is True if mode.spec_tokens else True
