@@ -393,52 +393,58 @@ def device_copy(tmp_path: Path) -> Path:
     return repo
 
 
-def test_receive_moves_each_carried_part_checks_it_and_counts(tmp_path):
-    repo = device_copy(tmp_path)
-    carried = repo / ".stage" / "vllm-0.33.0"
-    files = {n: wheel(tmp_path, n, "1.0", os.urandom(5000)) for n in ("foo", "bar")}
-    staged = [stage.Staged(n, "1.0", frozenset(), "") for n in sorted(files)]
-    parts = stage.write_stage(staged, files, tmp_path / "here", part_bytes=4096)
-    env = {"VLLM": "0.33.0", "WORK_ROOT": str(tmp_path / "work"), "OUT": str(tmp_path / "out")}
-    script = repo / "scripts" / "h200_validation.sh"
+class Transfer:
+    """A staged bundle of two wheels here, and the device's copy of the repository the parts
+    are carried into; `carry` copies parts into it and runs `receive`."""
 
-    def carry(*names: str) -> subprocess.CompletedProcess:
-        carried.mkdir(parents=True, exist_ok=True)
+    def __init__(self, tmp_path: Path):
+        self.here, self.work = tmp_path / "here", tmp_path / "work"
+        repo = device_copy(tmp_path)
+        self.carried = repo / ".stage" / "vllm-0.33.0"
+        self.script = repo / "scripts" / "h200_validation.sh"
+        files = {n: wheel(tmp_path, n, "1.0", os.urandom(5000)) for n in ("foo", "bar")}
+        self.staged = [stage.Staged(n, "1.0", frozenset(), "") for n in sorted(files)]
+        self.files = files
+        self.parts = self.restage()
+        self.env = {"VLLM": "0.33.0", "WORK_ROOT": str(self.work), "OUT": str(tmp_path / "out")}
+
+    def restage(self):
+        shutil.rmtree(self.here, ignore_errors=True)
+        return stage.write_stage(self.staged, self.files, self.here, part_bytes=4096)
+
+    def receive(self) -> subprocess.CompletedProcess:
+        return run_script("receive", self.script, **self.env)
+
+    def carry(self, *names: str) -> subprocess.CompletedProcess:
+        self.carried.mkdir(parents=True, exist_ok=True)
         for name in names:
-            shutil.copy2(tmp_path / "here" / name, carried / name)
-        return run_script("receive", script, **env)
+            shutil.copy2(self.here / name, self.carried / name)
+        return self.receive()
 
-    done = run_script("receive", script, **env)
+
+def test_receive_moves_each_carried_part_checks_it_and_counts(tmp_path):
+    t = Transfer(tmp_path)
+    total = len(t.parts.paths)
+    done = t.receive()
     assert done.returncode == 1 and "expected" in done.stderr and "SHA256SUMS" in done.stderr
-    done = carry(parts.paths[0].name, "SHA256SUMS", "selection.txt")
+    done = t.carry(t.parts.paths[0].name, "SHA256SUMS", "selection.txt")
     assert done.returncode == 0, done.stderr
-    assert f"received: 1 of {len(parts.paths)} parts" in done.stdout and not list(carried.iterdir())
-    parts.paths[1].write_bytes(b"damaged in transfer")
-    done = carry(parts.paths[1].name)
+    assert f"received: 1 of {total} parts" in done.stdout and not list(t.carried.iterdir())
+    t.parts.paths[1].write_bytes(b"damaged in transfer")
+    done = t.carry(t.parts.paths[1].name)
     assert done.returncode == 1 and "a part differs from SHA256SUMS" in done.stderr
-    shutil.rmtree(tmp_path / "here")
-    stage.write_stage(staged, files, tmp_path / "here", part_bytes=4096)
-    done = carry(*(p.name for p in parts.paths[1:]))
-    assert done.returncode == 0 and f"received: {len(parts.paths)} of {len(parts.paths)} parts" in done.stdout
+    t.restage()
+    done = t.carry(*(p.name for p in t.parts.paths[1:]))
+    assert done.returncode == 0 and f"received: {total} of {total} parts" in done.stdout
 
 
 def test_receive_hashes_only_what_this_call_carried(tmp_path):
     """Each call hashes its own part: hashing every part so far made 71 calls quadratic (3 s a
     call by part 45 on the H200). A part damaged after its arrival is left to the install
     phase's check of the whole bundle."""
-    repo = device_copy(tmp_path)
-    carried = repo / ".stage" / "vllm-0.33.0"
-    files = {n: wheel(tmp_path, n, "1.0", os.urandom(5000)) for n in ("foo", "bar")}
-    staged = [stage.Staged(n, "1.0", frozenset(), "") for n in sorted(files)]
-    parts = stage.write_stage(staged, files, tmp_path / "here", part_bytes=4096)
-    env = {"VLLM": "0.33.0", "WORK_ROOT": str(tmp_path / "work"), "OUT": str(tmp_path / "out")}
-    script = repo / "scripts" / "h200_validation.sh"
-    carried.mkdir(parents=True)
-    for name in (parts.paths[0].name, "SHA256SUMS", "selection.txt"):
-        shutil.copy2(tmp_path / "here" / name, carried / name)
-    assert run_script("receive", script, **env).returncode == 0
-    (tmp_path / "work" / "stage-0.33.0" / parts.paths[0].name).write_bytes(b"damaged after arrival")
-    shutil.copy2(parts.paths[1], carried / parts.paths[1].name)
-    done = run_script("receive", script, **env)
+    t = Transfer(tmp_path)
+    assert t.carry(t.parts.paths[0].name, "SHA256SUMS", "selection.txt").returncode == 0
+    (t.work / "stage-0.33.0" / t.parts.paths[0].name).write_bytes(b"damaged after arrival")
+    done = t.carry(t.parts.paths[1].name)
     assert done.returncode == 0, done.stderr
-    assert f"received: 2 of {len(parts.paths)} parts" in done.stdout
+    assert f"received: 2 of {len(t.parts.paths)} parts" in done.stdout
