@@ -207,7 +207,7 @@ RUN mkdir -p /opt/dsa-image/test-results; \
         --junitxml=/opt/dsa-image/test-results/junit.xml \
         tests/test_overlay.py tests/test_overlay_bytecode.py tests/test_overlay_interrupt.py \
         tests/test_overlay_revert.py tests/test_overlay_space.py \
-        tests/test_indexer_overlay*.py tests/test_indexer_reference.py tests/test_selftest*.py \
+        tests/test_indexer_overlay*.py tests/test_indexer_reference.py tests/test_selftest.py tests/test_selftest_deepgemm.py \
         tests/test_validation.py tests/test_serving_recipes_vllm.py \
         tests/test_image_arch_check.py \
         tests/test_image_pip_check.py tests/test_image_entrypoint.py tests/test_image_healthcheck.py
