@@ -453,26 +453,34 @@ def _vllm_deep_gemm():
     return deep_gemm
 
 
-class DeepGemmKernels:
+class _InstalledReleaseKernels:
+    """Kernels called as the installed vLLM release calls them: its version, read once."""
+
+    last_topk: str | None = None  # the top-k kernel the last call ran, for the report
+
+    def __init__(self, version: str | None = None):
+        self.version = version  # None: read from the installed vLLM on first use
+
+    def _version(self) -> str:
+        if self.version is None:
+            self.version = installed_vllm_version()
+        return self.version
+
+
+class DeepGemmKernels(_InstalledReleaseKernels):
     """vLLM's bundled DeepGEMM indexer kernels, called as the installed vLLM calls them."""
 
     family = "deepgemm"
-    last_topk: str | None = None  # the top-k kernel the last call ran, for the report
 
     def __init__(self, calls: DeepGemmCalls | None = None, version: str | None = None):
+        super().__init__(version)
         self.calls = calls  # None: read from the installed vLLM on first use
-        self.version = version
 
     def check_covered(self) -> None:
         """Refused when the self-test cannot give these kernels the inputs vLLM gives them here."""
         refusal = mx_scales_refusal(self._version(), _vllm_deep_gemm())
         if refusal:
             raise Refused(refusal)
-
-    def _version(self) -> str:
-        if self.version is None:
-            self.version = installed_vllm_version()
-        return self.version
 
     def kernel_name(self, kind: str) -> str:
         return {"decode": "fp8_paged_mqa_logits + vLLM top-k",
@@ -522,22 +530,13 @@ def _upcast(sparse_attn_indexer):
     return getattr(sparse_attn_indexer, "as_fp32_logits", None)
 
 
-class B12xKernels:
+class B12xKernels(_InstalledReleaseKernels):
     """b12x's indexer kernels through the overlay's b12x_indexer, as the sm120 image runs them."""
 
     family = "b12x"
-    last_topk: str | None = None  # the top-k kernel the last call ran, for the report
-
-    def __init__(self, version: str | None = None):
-        self.version = version  # None: read from the installed vLLM on first use
 
     def check_covered(self) -> None:
         """b12x's inputs are the same under both releases: nothing to refuse."""
-
-    def _version(self) -> str:
-        if self.version is None:
-            self.version = installed_vllm_version()
-        return self.version
 
     def kernel_name(self, kind: str) -> str:
         return {"decode": "b12x paged_decode_logits + vLLM top-k",
