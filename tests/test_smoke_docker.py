@@ -37,7 +37,9 @@ from dsa_image.smoke.run import run_smoke  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE = REPO / "scripts" / "smoke.py"
-RECIPE = load_recipe()
+# The fakes play vLLM 0.24.0 (its dist-info, image label and log: FLASHMLA_SPARSE on sm_90); the
+# base the smoke checks follows the served vLLM, so the expectations here are 0.24.0's.
+RECIPE = load_recipe(vllm="0.24.0")
 ENTRYPOINT = ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.entrypoint"]
 
 

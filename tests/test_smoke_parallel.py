@@ -34,7 +34,9 @@ from dsa_image.smoke.local_runtime import preflight, server_env  # noqa: E402
 from dsa_image.smoke.report import REPORT_NAME, Report  # noqa: E402
 from dsa_image.smoke.run import print_summary, run_smoke  # noqa: E402
 
-RECIPE = load_recipe()
+# The fakes play vLLM 0.24.0 (its dist-info, image label and log: FLASHMLA_SPARSE on sm_90); the
+# base the smoke checks follows the served vLLM, so the expectations here are 0.24.0's.
+RECIPE = load_recipe(vllm="0.24.0")
 SM90 = RECIPE.target("sm90")
 RAY_PIN = cli.ray_pin(RECIPE)
 TWO_H200 = "0, GPU-aaaa-0, NVIDIA H200\n1, GPU-bbbb-1, NVIDIA H200\n"
@@ -362,7 +364,7 @@ def test_server_processes_are_its_group_and_its_descendants(tmp_path):
     still counts as the server's: it descends from it."""
     from dsa_image.smoke.local_runtime import LocalServer
 
-    server = LocalServer(["x"], sys.executable, None, {}, free_port(), tmp_path / "log", None)
+    server = LocalServer(["x"], sys.executable, None, {}, free_port(), tmp_path / "log", None, "0.24.0")
     server.proc = subprocess.Popen([sys.executable, "-c", LEADER_OF_OWN_GROUP], stdout=subprocess.PIPE, text=True,
                                    start_new_session=True)
     child = int(server.proc.stdout.readline())
@@ -475,7 +477,8 @@ def build_docker(tmp_path, *argv):
     args, server_args = cli.parse_args(["--runtime", "docker", "--image", "dsa-image:0.24.0-sm90",
                                         "--out", str(tmp_path / "out"), *argv])
     report = Report(runtime="docker")
-    server, target = cli.build_docker(args, server_args, RECIPE, report, None, tmp_path)
+    server, target, recipe = cli.build_docker(args, server_args, report, None, tmp_path)
+    assert recipe.vllm_version == "0.24.0"  # the image's dsa-image.vllm.version label picks the base
     return server, report
 
 

@@ -29,7 +29,9 @@ from dsa_image.smoke.http import Client  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE = REPO / "scripts" / "smoke.py"
-RECIPE = load_recipe()
+# The fakes play vLLM 0.24.0 (its dist-info, image label and log: FLASHMLA_SPARSE on sm_90); the
+# base the smoke checks follows the served vLLM, so the expectations here are 0.24.0's.
+RECIPE = load_recipe(vllm="0.24.0")
 # The image's test stage (DSA_IMAGE_IN_IMAGE=1) carries dsa_image/ and tests/ but not this script.
 needs_script = pytest.mark.skipif(os.environ.get("DSA_IMAGE_IN_IMAGE") == "1",
                                   reason="runs a script of scripts/ that the image's test stage does not carry")
@@ -369,12 +371,43 @@ def test_local_runtime_cleans_up_on_a_signal(tmp_path, fake_env, monkeypatch, si
 
 @needs_script
 def test_usage_errors_exit_2(tmp_path):
-    for argv in (["--runtime", "docker"], ["--runtime", "local"], ["--runtime", "local", "--python", "x",
-                                                                      "--target", "sm999"]):
+    site = make_fake_vllm_site(tmp_path / "site")
+    for argv in (["--runtime", "docker"], ["--runtime", "local"], ["--runtime", "local", "--python", sys.executable,
+                                                                      "--site-packages", str(site), "--target", "sm999"]):
         done = subprocess.run([sys.executable, str(SMOKE), *argv, "--out", str(tmp_path)], capture_output=True,
                               text=True, cwd=tmp_path)
         assert done.returncode == 2, (argv, done.stderr)
     assert "unknown target 'sm999'" in done.stderr
+
+
+@needs_script
+def test_an_environment_without_vllm_or_on_an_unpinned_release_exits_2(tmp_path):
+    """The environment's vLLM picks the recipe base: none, or one the recipe does not pin, is bad input."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    unpinned = make_fake_vllm_site(tmp_path / "site", version="0.30.0")
+    for site, expected in ((empty, "cannot report its vLLM version"), (unpinned, "serves vLLM 0.30.0")):
+        done = subprocess.run([sys.executable, "-I", str(SMOKE), "--runtime", "local", "--python", sys.executable,
+                               "--site-packages", str(site), "--out", str(tmp_path / "out")],
+                              capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 2 and expected in done.stderr, done.stderr
+    assert "this recipe pins: 0.24.0, 0.33.0" in done.stderr
+
+
+@needs_script
+def test_the_environments_vllm_picks_the_base_checked(tmp_path, fake_env, monkeypatch):
+    """A site holding vLLM 0.33.0: the backends expected are 0.33.0's on sm_90 (FLASH_ATTN_MLA_SPARSE)
+    and `verify` checks the site against 0.33.0's overlay, whatever the recipe's default base."""
+    site = make_fake_vllm_site(tmp_path / "site-0.33.0", version="0.33.0")
+    monkeypatch.setenv("FAKE_VLLM_ATTENTION", "FLASH_ATTN_MLA_SPARSE")
+    proc = run_local(tmp_path, site, "--quiet")
+    out, err = proc.communicate(timeout=180)
+    report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    assert report["versions"]["vllm_installed"] == "0.33.0"
+    assert checks["backends"]["passed"], checks["backends"]["reason"]
+    assert "verify --python" in checks["overlay_verify"]["reason"]
+    assert "--vllm 0.33.0" in checks["overlay_verify"]["reason"], checks["overlay_verify"]["reason"]
 
 
 def test_a_selftest_mismatch_fails_its_check_and_shows_the_table(tmp_path):

@@ -98,9 +98,22 @@ def ray_pin(recipe) -> str:
     return next((p for p in recipe.cluster_packages if p.split("==")[0] == "ray"), "ray")
 
 
-def build_local(args, server_args, recipe, report: Report, echo, scratch: Path):
-    from dsa_image.smoke.local_runtime import LocalServer, preflight, serve_command, server_env
+def recipe_for_base(recipe_id: str, vllm: str, where: str):
+    """The recipe for the vLLM release `where` serves; a release it does not pin is bad input."""
+    try:
+        return load_recipe(recipe_id, vllm=vllm)
+    except RecipeError as e:
+        raise RecipeError(f"{where} serves vLLM {vllm}: {e}") from None
 
+
+def build_local(args, server_args, report: Report, echo, scratch: Path):
+    from dsa_image.smoke.local_runtime import (LocalServer, environment_versions, preflight, serve_command,
+                                               server_env, site_env)
+
+    # The recipe base is the vLLM the environment holds: its expectations and its overlay's
+    # manifest are the ones this run checks.
+    vllm = environment_versions(args.python, site_env(args.site_packages))["vllm"]
+    recipe = recipe_for_base(args.recipe, vllm, f"{args.python} (--site-packages {args.site_packages or 'none'})")
     # Without --target the GPU decides (sm_90 -> sm90 ...): its env and KV cache dtype shape the server.
     target = resolve_target(recipe, args.target, {} if args.target else _host_gpu())
     layout = layout_of(args)
@@ -115,10 +128,11 @@ def build_local(args, server_args, recipe, report: Report, echo, scratch: Path):
                             layout.server_flags() + server_args)
     report.model, report.server_command, report.target = model, command, target.id
     report.parallel["serve_argv"] = command
-    return LocalServer(command, args.python, args.site_packages, env, port, args.out / LOG_NAME, echo), target.id
+    server = LocalServer(command, args.python, args.site_packages, env, port, args.out / LOG_NAME, echo, vllm)
+    return server, target.id, recipe
 
 
-def build_docker(args, server_args, recipe, report: Report, echo, scratch: Path):
+def build_docker(args, server_args, report: Report, echo, scratch: Path):
     from dsa_image.smoke.gpu import query_inventory
     from dsa_image.smoke.layout import check_fits, layout_record, visible_docker
 
@@ -126,7 +140,12 @@ def build_docker(args, server_args, recipe, report: Report, echo, scratch: Path)
     gpus = None if args.no_gpus else (args.gpus or GpuRequest())
     visible = visible_docker(gpus, query_inventory())
     check_fits(layout, visible)
-    from dsa_image.smoke.docker_runtime import DockerServer  # the Docker SDK: only once the layout fits
+    from dsa_image.smoke.docker_runtime import DockerServer, image_vllm  # the Docker SDK: only once the layout fits
+
+    # The recipe base is the image's (its dsa-image.vllm.version label): the expectations the
+    # run checks are that base's. The image's own `verify` checks its own base.
+    vllm = image_vllm(args.image)
+    recipe = recipe_for_base(args.recipe, vllm, f"image {args.image}") if vllm else load_recipe(args.recipe)
 
     # The image carries Ray (the recipe's [cluster] pin); without RAY_ADDRESS vLLM starts a
     # Ray instance of its own in the container, one node with the container's GPUs.
@@ -150,7 +169,7 @@ def build_docker(args, server_args, recipe, report: Report, echo, scratch: Path)
     server.base_url = f"http://127.0.0.1:{server.port}"
     report.model = args.model or recipe.serving["default_model"]
     report.server_command = server.run_command()
-    return server, target
+    return server, target, recipe
 
 
 def _host_gpu() -> dict:
@@ -164,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     echo = None if args.quiet else sys.stderr
     with tempfile.TemporaryDirectory(prefix="dsa-smoke-") as scratch:
         try:
-            recipe = load_recipe(args.recipe)
-            report = Report(runtime=args.runtime, served_model_name=recipe.serving["served_model_name"])
+            report = Report(runtime=args.runtime)
             build = build_docker if args.runtime == "docker" else build_local
             args.out.mkdir(parents=True, exist_ok=True)
-            server, target = build(args, server_args, recipe, report, echo, Path(scratch))
+            server, target, recipe = build(args, server_args, report, echo, Path(scratch))
+            report.served_model_name = recipe.serving["served_model_name"]
         except (RecipeError, TinyModelError, StartError, LayoutError, OSError) as e:
             print(f"smoke: {e}", file=sys.stderr)
             return 2

@@ -33,6 +33,7 @@ RECEIPT_PATH = "/opt/dsa-image/receipt.json"
 # The image's entrypoint offers `verify` (receipt hash + scripts/overlay.py verify against the
 # image's own site-packages): exec'd in the running container, it checks the code that serves.
 VERIFY_ARG = "verify"
+VLLM_LABEL = "dsa-image.vllm.version"
 
 
 def image_env(image) -> dict[str, str]:
@@ -77,6 +78,32 @@ def sweep_leftovers(client, console: IO[str], host: Host | None = None) -> list[
     return found
 
 
+def engine_client():
+    """The Docker SDK's client of the engine DOCKER_HOST (or the default socket) names, answering."""
+    try:
+        client = docker.from_env()
+        client.ping()
+    except DockerException as e:
+        raise StartError(f"no Docker engine answers ({e}); start dockerd or use --runtime local") from None
+    return client
+
+
+def find_image(client, image_ref: str):
+    """The image `image_ref` names, pulled when the engine has no such image."""
+    try:
+        return client.images.get(image_ref)
+    except ImageNotFound:
+        try:
+            return client.images.pull(image_ref)
+        except DockerException as e:
+            raise StartError(f"image {image_ref} is not here and cannot be pulled: {e}") from None
+
+
+def image_vllm(image_ref: str) -> str | None:
+    """The vLLM release the image was built on: its VLLM_LABEL (None: an image without it)."""
+    return (find_image(engine_client(), image_ref).labels or {}).get(VLLM_LABEL)
+
+
 class DockerServer:
     """`gpus`: what the container asks for (None: no GPU request); `env`: variables the
     container gets (the layout's, e.g. Ray's log settings)."""
@@ -110,23 +137,12 @@ class DockerServer:
 
     def _client(self):
         if self.client is None:
-            try:
-                self.client = docker.from_env()
-                self.client.ping()
-            except DockerException as e:
-                raise StartError(f"no Docker engine answers ({e}); start dockerd or use --runtime local") from None
+            self.client = engine_client()
         return self.client
 
     def _image(self):
         if self.image is None:
-            client = self._client()
-            try:
-                self.image = client.images.get(self.image_ref)
-            except ImageNotFound:
-                try:
-                    self.image = client.images.pull(self.image_ref)
-                except DockerException as e:
-                    raise StartError(f"image {self.image_ref} is not here and cannot be pulled: {e}") from None
+            self.image = find_image(self._client(), self.image_ref)
         return self.image
 
     def start(self) -> None:
@@ -272,8 +288,8 @@ class DockerServer:
             "container": self.container.name if self.container is not None else None,
         }
         report.leftovers = self.leftovers
-        if labels.get("dsa-image.vllm.version"):
-            report.versions["vllm_image_label"] = labels["dsa-image.vllm.version"]
+        if labels.get(VLLM_LABEL):
+            report.versions["vllm_image_label"] = labels[VLLM_LABEL]
 
     def image_target(self) -> str | None:
         return (self._image().labels or {}).get("dsa-image.target")

@@ -35,6 +35,9 @@ MAX_PROCESS_DEPTH = 32  # server -> engine core -> raylet -> worker -> ...: far 
 # `ray start` here recorded, else None: a new local instance). A cluster to join is asked for its
 # alive nodes, so the preflight counts its GPUs and a dead recorded address is caught before vLLM
 # hits it. Prints one JSON line.
+VERSIONS_PROBE = ("import importlib.metadata as m, json, sys; "
+                  "print(json.dumps({'python': sys.version.split()[0], 'vllm': m.version('vllm')}))")
+
 RAY_PROBE = """\
 import json, sys
 out = {}
@@ -80,7 +83,7 @@ def serve_command(python: str, model: str, recipe: Recipe, target: Target, port:
 
 class LocalServer:
     def __init__(self, command: list[str], python: str, site_packages: str | None, env: dict[str, str],
-                 port: int, log_path: Path, echo: IO[str] | None):
+                 port: int, log_path: Path, echo: IO[str] | None, vllm: str):
         self.command = command
         self.python = python
         self.site_packages = site_packages
@@ -92,7 +95,7 @@ class LocalServer:
         self.follower: LogFollower | None = None
         self._stopped = False
         self.run_host = host_runner  # nvidia-smi and df on this host; tests put fakes here
-        verify = [str(OVERLAY_TOOL), "verify", "--python", python]
+        verify = [str(OVERLAY_TOOL), "verify", "--python", python, "--vllm", vllm]
         if site_packages:
             verify += ["--site-packages", site_packages]
         self.verify_argv = [python, "-B", *verify]
@@ -174,16 +177,14 @@ class LocalServer:
                 "shm": query_shm(self.run_host, "host")}
 
     def describe(self, report: Report) -> None:
-        probe = ("import importlib.metadata as m, json, sys; "
-                 "print(json.dumps({'python': sys.version.split()[0], 'vllm': m.version('vllm')}))")
-        done = subprocess.run([self.python, "-c", probe], capture_output=True, text=True, env=self.env, cwd="/")
         report.python = {"executable": self.python, "site_packages": self.site_packages}
-        if done.returncode == 0:
-            found = json.loads(done.stdout)
-            report.python["version"] = found["python"]
-            report.versions["vllm_installed"] = found["vllm"]
-        else:
-            report.errors.append(f"{self.python} cannot report its vLLM version: {done.stderr.strip()[-300:]}")
+        try:
+            found = environment_versions(self.python, self.env)
+        except StartError as e:
+            report.errors.append(str(e))
+            return
+        report.python["version"] = found["python"]
+        report.versions["vllm_installed"] = found["vllm"]
 
     def stop(self) -> None:
         if self.proc is None or self._stopped:
@@ -210,17 +211,35 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         pass
 
 
-def server_env(target: Target, site_packages: str | None, layout: Layout = SINGLE_GPU) -> dict[str, str]:
-    """The environment of the server: ours, the target's env (e.g. the b12x switch), the
-    layout's (Ray's log settings), and the --site-packages dir first on PYTHONPATH (a
-    `pip install --target` tree, with the directories its .pth files would add)."""
-    env = dict(os.environ)
-    env.update(target.env)
-    env.update(layout.server_env())
+def site_env(site_packages: str | None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: ours) with the --site-packages dir first on PYTHONPATH (a `pip install
+    --target` tree, with the directories its .pth files would add)."""
+    env = dict(os.environ if env is None else env)
     if site_packages:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath(site_packages), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def server_env(target: Target, site_packages: str | None, layout: Layout = SINGLE_GPU) -> dict[str, str]:
+    """The environment of the server: ours, the target's env (e.g. the b12x switch), the
+    layout's (Ray's log settings), the site first on PYTHONPATH (site_env)."""
+    env = site_env(site_packages, {**os.environ, **target.env, **layout.server_env()})
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def environment_versions(python: str, env: dict[str, str]) -> dict[str, str]:
+    """The Python and vLLM versions `python` runs under `env` (cwd "/", as the server): the
+    vLLM release is the recipe base whose expectations the run checks."""
+    try:
+        done = subprocess.run([python, "-c", VERSIONS_PROBE], capture_output=True, text=True, env=env, cwd="/",
+                              timeout=RAY_PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise StartError(f"{python}: cannot run it to read its vLLM version: {e}") from None
+    if done.returncode != 0:
+        raise StartError(f"{python} cannot report its vLLM version (is vLLM installed there, or in "
+                         f"--site-packages?): {done.stderr.strip()[-300:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def probe_ray(python: str, env: dict[str, str]) -> dict:
