@@ -82,3 +82,13 @@ def test_a_server_that_never_answers_is_named(monkeypatch):
     monkeypatch.setattr(serving, "is_healthy", lambda server: server["name"] == "fast")
     with pytest.raises(TimeoutError, match="slow not healthy in time"):
         serving.wait_all_healthy([{"name": "slow", "started": 0}, {"name": "fast", "started": 0}], 100)
+
+
+def test_the_growth_check_expects_one_row_per_query_token_only_when_flattened():
+    """vLLM 0.33.0 takes next_n=4 natively on sm_90: its decode table is one row per request."""
+    np = pytest.importorskip("numpy")
+    from dsa_image.validation.indexer_probe import expected_decode_table
+
+    table = np.array([[1, 2, 3], [4, 5, 6]])
+    assert expected_decode_table(table, [2, 1], flattened=True).tolist() == [[1, 2, 3], [1, 2, 3], [4, 5, 6]]
+    assert expected_decode_table(table, [2, 1], flattened=False).tolist() == table.tolist()

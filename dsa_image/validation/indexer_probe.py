@@ -208,14 +208,22 @@ def true_decode_max(spec: B.BatchSpec, md) -> int:
 # --- overlay-only checks ----------------------------------------------------
 
 
+def expected_decode_table(table, query_lens, flattened: bool):
+    """The decode block table a builder must hand the kernel: each request's row once per
+    query token when flattened, once per request otherwise."""
+    return np.repeat(table, query_lens, axis=0) if flattened else np.asarray(table)
+
+
 def check_block_table_growth(model_dir: str) -> dict:
-    """Flattened MTP (next_n=4 on sm_90) with the widest block table the runner hands.
+    """MTP (next_n=4) decode with the widest block table the runner hands.
 
     vLLM 0.24.0's runner can hand a table wider than the builder's buffer (here 3 columns
     wider): stock raises on the variable-length path and drops the last column on the
     uniform one; the overlay must give every flattened row its request's full row. From
     vLLM 0.28.0 the runner passes its width to the builder (`requires_block_table_width`),
     so the widest table is the runner's own width: every row must still arrive whole.
+    The decode table has one row per query token when the builder flattens (0.24.0 on
+    sm_90), one per request when it does not (0.33.0: DeepGEMM takes next_n=4 natively).
     """
     rng = np.random.default_rng(SEED + 1)
     config = make_vllm_config(model_dir, 3)
@@ -223,8 +231,9 @@ def check_block_table_growth(model_dir: str) -> dict:
     buffer_width = builder.expanded_block_table_buffer.shape[1]
     told = bool(getattr(type(builder), "requires_block_table_width", False))
     runner_width = runner_block_table_width(config) if told else buffer_width + 3
+    flattened = bool(builder.use_flattening)
     report = {"buffer_width": int(buffer_width), "runner_width": int(runner_width),
-              "builder_told_runner_width": told}
+              "builder_told_runner_width": told, "flattened": flattened}
     for variable in (False, True):
         name = "variable" if variable else "uniform"
         spec = B.decode_batch(rng, f"wide_{name}", 8, 4, MAX_MODEL_LEN, variable)
@@ -235,7 +244,7 @@ def check_block_table_growth(model_dir: str) -> dict:
             report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
             continue
         got = md.decode.block_table[:, :runner_width].cpu().numpy()
-        want = np.repeat(table, spec.query_lens, axis=0)
+        want = expected_decode_table(table, spec.query_lens, flattened)
         report[name] = {"ok": bool(np.array_equal(got, want)),
                         "rows": int(want.shape[0])}
     return report
