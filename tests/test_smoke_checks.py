@@ -18,7 +18,9 @@ from dsa_image.smoke import expect, gpu  # noqa: E402
 from dsa_image.smoke.http import Client  # noqa: E402
 from dsa_image.tiny_model import CONFIG  # noqa: E402
 
-RECIPE = load_recipe()
+# The fakes play vLLM 0.24.0 (its dist-info, image label and log: FLASHMLA_SPARSE on sm_90); the
+# base the smoke checks follows the served vLLM, so the expectations here are 0.24.0's.
+RECIPE = load_recipe(vllm="0.24.0")
 
 
 def run_all(faults=frozenset(), served="glm-5") -> dict[str, C.Check]:
@@ -129,6 +131,21 @@ def test_expected_backends_come_from_the_recipe_target(target, capability, atten
     assert expect.capability_problem(t, capability) is None
     log = "\n".join(startup_log(attention, kernels))
     assert expect.backend_problems(log, expected) == []
+
+
+H200_RUN = Path(__file__).resolve().parents[1] / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run2"
+
+
+@pytest.mark.parametrize("log_name", ["smoke-server.log", "server-overlay.log"])
+def test_a_recorded_h200_log_of_vllm_0_33_meets_that_bases_expectations(log_name):
+    """The server logs of the H200 run: 0.33.0's sm90 target expects what it logged; 0.24.0's
+    (the run's smoke failure, before the base followed the environment) names the difference."""
+    log = (H200_RUN / log_name).read_text()
+    on_033 = expect.expected_for(load_recipe(vllm="0.33.0").target("sm90"), (9, 0))
+    assert expect.backend_problems(log, on_033) == []
+    on_024 = expect.expected_for(load_recipe(vllm="0.24.0").target("sm90"), (9, 0))
+    assert expect.backend_problems(log, on_024) == [
+        "attention backend: expected FLASHMLA_SPARSE, log names FLASH_ATTN_MLA_SPARSE"]
 
 
 def test_b12x_follows_the_target_env(monkeypatch):
