@@ -99,8 +99,8 @@ def test_only_listed_platforms_are_locked(version):
 
 def test_each_base_has_one_directory_of_locks_and_inputs():
     for directory in (lock.LOCKS_DIR, lock.REQUIREMENTS_DIR):
-        assert sorted(p.name for p in (REPO / directory).iterdir() if p.is_dir()) == [
-            f"vllm-{v}" for v in BASES]
+        assert sorted(p.name for p in (REPO / directory).iterdir() if p.is_dir()) == sorted(
+            f"vllm-{v}" for v in BASES)
     assert lock.stale_bases(RECIPE) == []
 
 
@@ -119,21 +119,22 @@ def test_dev_lock_has_what_the_tests_import():
 
 def test_lock_problems_catch_a_moved_pin(tmp_path):
     """A hand-edited or stale lock is caught: copy the locks, move torch in one extras lock."""
-    (tmp_path / lock.locks_dir(RECIPE)).mkdir(parents=True)
-    for path in [*lock.expected_locks(RECIPE), *lock.lock_sums(RECIPE)]:
+    recipe = BASES["0.24.0"]  # its vLLM pins torch 2.11.0 (TORCH)
+    (tmp_path / lock.locks_dir(recipe)).mkdir(parents=True)
+    for path in [*lock.expected_locks(recipe), *lock.lock_sums(recipe)]:
         (tmp_path / path).write_text((REPO / path).read_text())
-    extras, common = lock.target_lock(RECIPE, RECIPE.target("sm120"), "amd64"), lock.common_lock(RECIPE, "amd64")
+    extras, common = lock.target_lock(recipe, recipe.target("sm120"), "amd64"), lock.common_lock(recipe, "amd64")
     victim = tmp_path / extras
     victim.write_text(victim.read_text().replace("\ntorch==2.11.0 ", "\ntorch==2.12.0 "))
-    problems = lock.lock_problems(RECIPE, root=tmp_path)
+    problems = lock.lock_problems(recipe, root=tmp_path)
     assert problems[1:] == [f"{extras}: torch differs from {common} (the extras lock must only add packages)"]
     assert problems[0].startswith(f"{extras}: its sha256 is ")  # SHA256SUMS
-    (tmp_path / lock.common_lock(RECIPE, "arm64")).unlink()
-    assert (f"{lock.common_lock(RECIPE, 'arm64')}: missing; run `python3 scripts/recipe.py lock --vllm 0.24.0`"
-            in lock.lock_problems(RECIPE, root=tmp_path))
+    (tmp_path / lock.common_lock(recipe, "arm64")).unlink()
+    assert (f"{lock.common_lock(recipe, 'arm64')}: missing; run `python3 scripts/recipe.py lock --vllm 0.24.0`"
+            in lock.lock_problems(recipe, root=tmp_path))
     (tmp_path / lock.LOCKS_DIR / "vllm-0.20.0").mkdir()
     assert ("recipes/locks/vllm-0.20.0: a directory of a vLLM release the recipe does not pin; delete it"
-            in lock.lock_problems(RECIPE, root=tmp_path))
+            in lock.lock_problems(recipe, root=tmp_path))
 
 
 def test_parse_lock():
@@ -166,8 +167,9 @@ def test_generated_files_agree_with_the_recipe(version):
 
 
 def test_drift_is_detected(tmp_path):
+    # The first curand pin in the file is vLLM 0.24.0's.
     recipes = copy_recipe(tmp_path, lambda t: t.replace('"nvidia-curand==10.4.0.35"', '"nvidia-curand==10.4.0.36"', 1))
-    changed = load_recipe("glm5-dsa", recipes)
+    changed = load_recipe("glm5-dsa", recipes, vllm="0.24.0")
     command = lock.lock_command("0.24.0")
     problems = lock.drift(lock.requirement_files(changed), command)
     assert problems == [f"{lock.common_in(changed)}: differs from what the recipe generates; run `{command}`"]

@@ -23,13 +23,15 @@ BASES = load_every_base()
 
 
 def test_accessors():
-    assert RECIPE.vllm_version == RECIPE.default_vllm == "0.24.0"
+    # Without --vllm: the base [vllm] default names, read here from the file itself.
+    assert RECIPE.vllm_version == RECIPE.default_vllm == tomllib.loads(RECIPE.path.read_text())["vllm"]["default"]
     assert RECIPE.vllm_versions == ("0.24.0", "0.33.0")
     assert set(RECIPE.targets) == {"sm120", "sm100", "sm90"}
     sm120 = RECIPE.target("sm120")
     assert sm120.cuda_arch == ("12.0", "12.1") and sm120.arches == ("amd64", "arm64")
     assert [e.requirement for e in sm120.extras] == [f"b12x=={RECIPE.raw['b12x']['version']}"]
-    assert sm120.overrides == ("torch==2.11.0",)
+    # vLLM 0.24.0 keeps its torch 2.11.0 against b12x 0.30.2's torch>=2.12.0 floor.
+    assert load_recipe(vllm="0.24.0").target("sm120").overrides == ("torch==2.11.0",)
     assert sm120.env == {"VLLM_USE_B12X_SPARSE_INDEXER": "1"}
     assert RECIPE.target("sm90").platforms == ("linux/amd64",) and RECIPE.target("sm90").extras == ()
     assert RECIPE.wheel("amd64") == RECIPE.wheel("linux/amd64")
@@ -38,20 +40,24 @@ def test_accessors():
 
 
 def test_each_base_has_its_own_pins_and_shares_the_rest():
-    newer = load_recipe(vllm="0.33.0")
-    assert [b.vllm_version for b in BASES] == ["0.24.0", "0.33.0"]
-    assert newer.vllm_version == "0.33.0" and newer.default_vllm == "0.24.0"
+    older, newer = load_recipe(vllm="0.24.0"), load_recipe(vllm="0.33.0")
+    # The default first, then the others in file order.
+    assert [b.vllm_version for b in BASES] == [RECIPE.default_vllm,
+                                               *(v for v in RECIPE.vllm_versions if v != RECIPE.default_vllm)]
+    assert older.vllm_version == "0.24.0" and newer.vllm_version == "0.33.0"
+    assert older.default_vllm == newer.default_vllm == RECIPE.default_vllm  # whichever base is loaded
+    assert older.wheel("amd64").filename == "vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     assert newer.wheel("amd64").filename == "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     # vLLM 0.33.0 pins b12x 1.5.1 for its `b12x` extra, whose torch floor its torch 2.14.0 meets.
     assert [e.requirement for e in newer.target("sm120").extras] == ["b12x==1.5.1"]
     assert newer.target("sm120").overrides == ()
     assert newer.get("vllm.version") == "0.33.0" and newer.get("vllm.versions") == ["0.24.0", "0.33.0"]
     for shared in ("base", "serving", "cluster"):
-        assert newer.raw[shared] == RECIPE.raw[shared]
+        assert newer.raw[shared] == older.raw[shared]
     # The targets are shared; a base adjusts only the keys its release decides differently.
     assert newer.target("sm90").attention_backend == "FLASH_ATTN_MLA_SPARSE"
-    assert RECIPE.target("sm90").attention_backend == "FLASHMLA_SPARSE"
-    differing = {(tid, key) for tid, target in RECIPE.raw["targets"].items()
+    assert older.target("sm90").attention_backend == "FLASHMLA_SPARSE"
+    differing = {(tid, key) for tid, target in older.raw["targets"].items()
                  for key in target if newer.raw["targets"][tid][key] != target[key]}
     assert differing == {("sm90", "attention_backend")}
 
@@ -87,7 +93,7 @@ def test_get_and_format():
 def test_cli_get():
     done = subprocess.run([sys.executable, str(REPO / "scripts/recipe.py"), "get", "vllm.version"],
                           capture_output=True, text=True, cwd="/")
-    assert (done.returncode, done.stdout) == (0, "0.24.0\n")
+    assert (done.returncode, done.stdout) == (0, f"{RECIPE.default_vllm}\n")  # no --vllm: the default base
     bad = subprocess.run([sys.executable, str(REPO / "scripts/recipe.py"), "--recipe", "x", "get", "vllm.version"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "valid recipes: glm5-dsa" in bad.stderr
@@ -111,7 +117,8 @@ def copy_recipe(tmp_path: Path, edit=lambda text: text) -> Path:
     (lambda t: t.replace('"nvidia-curand==10.4.0.35"', '"nvidia-curand>=10"'), "is not name==version"),
     (lambda t: t.replace('schema = 2', 'schema = 1'), "schema must be 2"),
     (lambda t: t + "[[[", "not valid TOML"),
-    (lambda t: t.replace('default = "0.24.0"', 'default = "0.25.0"'), "vllm.default '0.25.0' is not one of the pinned"),
+    (lambda t: t.replace(f'default = "{RECIPE.default_vllm}"', 'default = "0.25.0"'),
+     "vllm.default '0.25.0' is not one of the pinned"),
     (lambda t: t.replace('[vllm."0.33.0".b12x]', '[vllm."0.33.0".flashinfer]'),
      '[vllm."0.33.0"] has flashinfer: a base pins only wheels, cuda and the extras its targets name (b12x), '
      'and adjusts [targets.*] keys'),
@@ -161,11 +168,12 @@ def test_split_reference():
 
 
 def test_lock_jobs_layout():
-    outputs = [str(job.output) for job in lock.lock_jobs(RECIPE)]
+    older = load_recipe(vllm="0.24.0")  # the base whose sm120 extras carry a torch override
+    outputs = [str(job.output) for job in lock.lock_jobs(older)]
     assert outputs == ["recipes/locks/vllm-0.24.0/vllm-amd64.txt", "recipes/locks/vllm-0.24.0/vllm-arm64.txt",
                        "recipes/locks/vllm-0.24.0/sm120-amd64.txt", "recipes/locks/vllm-0.24.0/sm120-arm64.txt",
                        "recipes/locks/dev.txt"]
-    sm120 = next(j for j in lock.lock_jobs(RECIPE) if str(j.output) == "recipes/locks/vllm-0.24.0/sm120-arm64.txt")
+    sm120 = next(j for j in lock.lock_jobs(older) if str(j.output) == "recipes/locks/vllm-0.24.0/sm120-arm64.txt")
     argv = lock.uv_command(sm120, "3.11", "uv")
     assert argv[argv.index("--python-platform") + 1] == "aarch64-manylinux_2_28"
     assert argv[argv.index("--constraint") + 1] == "recipes/locks/vllm-0.24.0/vllm-arm64.txt"

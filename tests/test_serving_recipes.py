@@ -268,7 +268,6 @@ SPARK = "glm-5.2-nvfp4-8xspark"
      "sets no vllm.max_num_batched_tokens"),
     (SPARK, lambda t: t.replace('kv_cache_dtype = "fp8_ds_mla"', 'kv_cache_dtype = "bfloat16"'),
      sr.RecipeFileError, "does not take kv_cache_dtype 'bfloat16'"),
-    (SPARK, lambda t: t.replace("block_size = 64", "block_size = 128"), sr.RecipeFileError, "takes block sizes 64, 256"),
     (SPARK, lambda t: t.replace('index_topk_pattern = "FFFS', 'index_topk_pattern = "FFFF'), sr.RecipeFileError,
      "differs from the one glm-5.2's config gives"),
     (SPARK, lambda t: t.replace("max_model_len = 393216", "max_model_len = 2000000"), sr.RecipeFileError,
@@ -292,6 +291,20 @@ def test_schema_errors_name_the_problem(tmp_path, name, edit, error, message):
         sr.load_serve_recipe(name, root, BUILD)
     assert message in str(caught.value)
     assert type(caught.value) is error
+
+
+# The block sizes a backend takes are its release's: FLASHINFER_MLA_SPARSE_SM120 takes 64 and 256 on
+# vLLM 0.24.0, any multiple of 64 on 0.33.0 (memory_plan.KV_RELEASES).
+@pytest.mark.parametrize("vllm, block, message", [
+    ("0.24.0", 128, "FLASHINFER_MLA_SPARSE_SM120 takes block sizes 64, 256, not 128"),
+    ("0.33.0", 96, "FLASHINFER_MLA_SPARSE_SM120 takes block sizes multiples of 64, not 96"),
+])
+def test_a_block_size_the_releases_backend_does_not_take_is_named(tmp_path, vllm, block, message):
+    root = copy_recipes(tmp_path, SPARK, lambda t: t.replace("block_size = 64", f"block_size = {block}"))
+    with pytest.raises(sr.RecipeFileError) as caught:
+        sr.load_serve_recipe(SPARK, root, load_recipe(vllm=vllm))
+    assert message in str(caught.value)
+    assert type(caught.value) is sr.RecipeFileError
 
 
 def test_model_file_errors(tmp_path):
@@ -319,10 +332,13 @@ def test_overrides_are_typed_and_rendered():
 
 
 def test_unsetting_a_setting_falls_back_to_the_target_default():
-    recipe = load("tiny-glm5", ["attention_backend="])
-    args = sr.vllm_args(recipe, "sm90", BUILD)
-    assert args[args.index("--attention-backend") + 1] == "FLASHMLA_SPARSE"
-    assert args[args.index("--kv-cache-dtype") + 1] == "auto"
+    # The sm90 target's attention backend is one a base adjusts: each release's own default.
+    for vllm, backend in [("0.24.0", "FLASHMLA_SPARSE"), ("0.33.0", "FLASH_ATTN_MLA_SPARSE")]:
+        build = load_recipe(vllm=vllm)
+        recipe = sr.apply_overrides(sr.load_serve_recipe("tiny-glm5", build=build), ["attention_backend="], build)
+        args = sr.vllm_args(recipe, "sm90", build)
+        assert args[args.index("--attention-backend") + 1] == backend, vllm
+        assert args[args.index("--kv-cache-dtype") + 1] == "auto", vllm
 
 
 @pytest.mark.parametrize("assignment, error, message", [
@@ -360,7 +376,7 @@ def test_cli_dry_run_solo_prints_the_exact_commands():
     assert done.returncode == 0, done.stderr
     docker = next(shlex.split(line) for line in done.stdout.splitlines() if line.startswith("docker run"))
     recipe = load("glm-5.2-nvfp4-8xrtxpro6000")
-    image = docker.index("dsa-image:0.24.0-sm120")
+    image = docker.index(f"dsa-image:{BUILD.vllm_version}-sm120")  # no --vllm: the default base's image
     assert docker[image + 1:] == ["serve", *sr.vllm_args(recipe, "sm120", BUILD)]
     for expected in (["--gpus", "all"], ["--ipc=host"], ["-p", "8000:8000"], ["-e", "VLLM_USE_FLASHINFER_SAMPLER=0"],
                      ["-e", "VLLM_USE_B12X_SPARSE_INDEXER=1"]):
