@@ -89,6 +89,13 @@ def _check_receipt(receipt: dict, receipt_path: Path, site: Path, recipe_id: str
                    manifest_raw: bytes) -> None:
     """The receipt must be the one apply writes for this recipe and manifest: any edit shows."""
     expected = expected_receipt(recipe_id, manifest, manifest_raw)
+    applied_for = receipt["vllm_version"]
+    if applied_for != manifest.vllm_version and receipt["manifest_sha256"] != expected["manifest_sha256"]:
+        # Another base's overlay, applied as it should be: the base checked is the wrong one.
+        raise OverlayError(MISMATCH, (
+            f"{receipt_path}: apply wrote it for vLLM {applied_for}'s overlay; verify checks base "
+            f"{manifest.vllm_version} (--vllm, default the recipe's default base). Check the base that is "
+            f"installed: `{TOOL} verify --vllm {applied_for} --site-packages {site}`"))
     again = (f"re-apply with the recipe and manifest you mean: `{TOOL} revert --site-packages {site}`, "
              f"then `{TOOL} apply --site-packages {site}`")
     for key, what in (("manifest_sha256", "manifest sha256"), ("recipe", "recipe")):

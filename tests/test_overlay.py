@@ -293,6 +293,17 @@ def test_verify_detects_tampered_receipt(on_path, tamper):
     expect_error(overlay.MISMATCH, on_path.verify)
 
 
+def test_verify_of_another_bases_receipt_names_the_base_to_check(on_path):
+    """A receipt apply wrote for another base's overlay (another vLLM, another manifest): verify
+    says which base to check, rather than to re-apply."""
+    receipt_path = on_path.site / overlay.RECEIPT_NAME
+    receipt = on_path.apply()
+    receipt_path.write_text(json.dumps({**receipt, "vllm_version": "0.25.0", "manifest_sha256": "1" * 64}))
+    message = expect_error(overlay.MISMATCH, on_path.verify)
+    assert f"apply wrote it for vLLM 0.25.0's overlay; verify checks base {VERSION}" in message
+    assert "verify --vllm 0.25.0 --site-packages" in message and "re-apply" not in message
+
+
 def test_verify_without_or_with_garbage_receipt(on_path):
     assert "no receipt" in expect_error(overlay.MISMATCH, on_path.verify)
     on_path.apply()
