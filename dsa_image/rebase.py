@@ -1124,6 +1124,11 @@ def load(args) -> Inputs:
 
 def run_rebase(args) -> int:
     """scripts/overlay.py rebase: merge, report, and exit CONFLICT when any region conflicts."""
+    if args.to == args.vllm:
+        # A merge onto its own release "merges cleanly" and says nothing.
+        raise RebaseError(overlay.BAD_INPUT, (
+            f"--to {args.to} is the base itself (--vllm; without it the recipe's default): rebase moves one base's "
+            f"overlay onto another release, e.g. `--vllm OLDER --to {args.to}`"))
     overlay_dir = Path(args.overlay_dir)
     report_dir = _outside(Path(args.report_dir), overlay_dir, "--report-dir") if args.report_dir else None
     out_dir = _outside(Path(args.out), overlay_dir, "--out") if args.out else None

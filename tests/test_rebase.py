@@ -480,16 +480,20 @@ def test_output_never_goes_into_the_overlay(tmp_path):
 
 
 def test_the_command_line_refuses_bad_input_before_fetching_anything(tmp_path, capsys):
-    missing_sha = rebase.main(["--to", "0.33.0", "--wheel", str(tmp_path / "vllm.whl"), "--out", str(tmp_path / "o")])
+    missing_sha = rebase.main(["--vllm", "0.24.0", "--to", "0.33.0", "--wheel", str(tmp_path / "vllm.whl"),
+                               "--out", str(tmp_path / "o")])
     assert missing_sha == overlay.BAD_INPUT and "--wheel needs --wheel-sha256" in capsys.readouterr().err
     # another base's overlay is as protected as the one re-based
     for base in ("0.24.0", "0.33.0"):
         merged = overlay.overlay_dir(base) / "vllm" / "merged"
-        into_overlay = rebase.main(["--to", "0.33.0", "--out", str(merged)])
+        into_overlay = rebase.main(["--vllm", "0.24.0", "--to", "0.33.0", "--out", str(merged)])
         assert into_overlay == overlay.BAD_INPUT and "rebase never writes an overlay" in capsys.readouterr().err
         assert not merged.exists()
     unknown = rebase.main(["--vllm", "0.25.0", "--to", "0.33.0", "--out", str(tmp_path / "o")])
     assert unknown == overlay.BAD_INPUT and "no vLLM '0.25.0'" in capsys.readouterr().err
+    onto_itself = rebase.main(["--vllm", "0.33.0", "--to", "0.33.0", "--out", str(tmp_path / "o")])
+    assert onto_itself == overlay.BAD_INPUT and "--to 0.33.0 is the base itself" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_subcommand_parser_feeds_run_rebase():
