@@ -512,7 +512,9 @@ def test_real_image_without_a_gpu_fails_cleanly(docker_client, runtime_image, tm
     assert first["name"] == "server_healthy" and not first["passed"]
     assert "did not start" in first["reason"] or "exited with code" in first["reason"], first["reason"]
     assert report["image"]["labels"]["dsa-image.target"] == "sm120"
-    assert report["receipt"]["vllm_version"] == "0.24.0" and report["receipt"]["recipe"]
+    # The runtime image is the default base's: its label, its receipt and the recipe agree.
+    assert (report["image"]["labels"]["dsa-image.vllm.version"] == report["receipt"]["vllm_version"]
+            == load_recipe().vllm_version) and report["receipt"]["recipe"]
     assert (tmp_path / "out" / "server.log").exists() and report["log_tail"] is not None
     assert "FAIL server_healthy" in done.stderr
     assert smoke_containers(docker_client) == before
