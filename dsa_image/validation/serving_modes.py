@@ -5,23 +5,33 @@ MTP speculative decoding, long context and the fp8 KV cache, with CUDA graphs on
 Each mode starts one stock and one overlay server (all modes' servers at once, side by side on
 one GPU, each with its own HOME and the same fixed KV-cache size), sends each server the same
 greedy requests, one by one and then as one batch, and compares the token ids, texts and logprobs.
-The modes and the overlay paths they serve:
+The modes:
 
-    mtp1           MTP, 1 speculative token: next_n=2, the indexer's native decode path
-    mtp3           MTP, 3 speculative tokens: next_n=4, the flattened decode path on sm_90
-    fp8            the fp8 KV cache (fp8_ds_mla, the one FLASHMLA_SPARSE takes on sm_90)
+    mtp1           MTP, 1 speculative token: next_n=2
+    mtp2           MTP, 2 speculative tokens: next_n=3
+    mtp3           MTP, 3 speculative tokens: next_n=4
+    fp8            the fp8 KV cache (fp8_ds_mla)
     long-bf16      max_model_len 65536, prompts of 20k-65k tokens: wide block tables,
                    several prefill chunks
     long-fp8       the same with the fp8 KV cache
     long-fp8-mtp3  the deployment combination: 65536, fp8 KV cache, MTP with 3 tokens
 
-Also reported per server: the decode path, KV-cache format and block-table growth vLLM logged,
-the draft acceptance counters of /metrics (which must agree: the draft layer runs the indexer
-too), and the Triton kernels JIT-compiled during inference.
+Which decode path and attention backend a mode gets on the H200 (sm_90) depends on the base
+(H200_PATHS): the indexer decodes next_n rows per request natively where DeepGEMM's paged MQA
+logits kernel takes that next_n, else flattens them to one row per query token; 0.24.0 takes
+next_n 1 and 2 there (mtp3 flattened), 0.33.0 also 4 (mtp3 native, mtp2 flattened). The bf16
+modes run FLASHMLA_SPARSE on 0.24.0 and FLASH_ATTN_MLA_SPARSE on 0.33.0; the fp8 modes run
+FLASHMLA_SPARSE on both, the one sm_90 backend that takes fp8_ds_mla.
 
-Stdlib only. Usage:
+Also reported per server: the decode path, attention backend, KV-cache dtype and format and
+block-table growth vLLM logged (0.33.0 sizes the table up front: no growth to log) and whether
+they are what the base gives on the H200 (information, not the verdict), the draft acceptance
+counters of /metrics (which must agree: the draft layer runs the indexer too), and the kernels
+JIT-compiled during inference.
+
+Stdlib only (and the repository). Usage:
     python -m dsa_image.validation.serving_modes --modes mtp1,mtp3 --model DIR --mtp-model DIR \\
-        --stock-site S --overlay-site O --out DIR
+        --stock-site S --overlay-site O --out DIR [--vllm X.Y.Z]
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from dsa_image.dist_info import installed_versions
 from dsa_image.validation import serving
 
 SHORT_PROMPTS = serving.PROMPT_LENGTHS
@@ -47,8 +58,9 @@ SHORT_PROMPTS = serving.PROMPT_LENGTHS
 # request can reach.
 LONG_PROMPTS = (20, 3000, 20000, 33000, 47000, 60000, 65400)
 LONG_MAX_MODEL_LEN = 65536
-# What vLLM 0.24.0 stores for --kv-cache-dtype fp8 with FLASHMLA_SPARSE (sm_90); named here
-# exactly, since "fp8" is only an alias there (mla_attention.py, flashmla_sparse.py).
+# What FLASHMLA_SPARSE stores for --kv-cache-dtype fp8 on sm_90 (mla_attention.py,
+# flashmla_sparse.py), named exactly: "fp8" is an alias there, and on vLLM 0.33.0 also a dtype
+# FLASHINFER_MLA_SPARSE_SM90 takes, while fp8_ds_mla only FLASHMLA_SPARSE does.
 FP8_KV = "fp8_ds_mla"
 
 
@@ -73,6 +85,7 @@ class Mode:
 # MTP modes decode 64 tokens: enough steps for the draft counters to mean something.
 MODES = {m.name: m for m in (
     Mode("mtp1", "mtp", 8192, SHORT_PROMPTS, 64, spec_tokens=1),
+    Mode("mtp2", "mtp", 8192, SHORT_PROMPTS, 64, spec_tokens=2),
     Mode("mtp3", "mtp", 8192, SHORT_PROMPTS, 64, spec_tokens=3),
     Mode("fp8", "base", 8192, SHORT_PROMPTS, 24, kv_cache_dtype=FP8_KV),
     Mode("long-bf16", "base", LONG_MAX_MODEL_LEN, LONG_PROMPTS, 32),
@@ -247,10 +260,23 @@ def run_mode_requests(port: int, prompts: dict[str, list[list[int]]], max_tokens
 # -- what the server logged ---------------------------------------------------------------------
 
 LOG_FACTS = {
+    # "use_flattening=True (next_n=4, ...)" on 0.24.0, "use_flattening=False supports_varlen=False
+    # (next_n=4, ...)" on 0.33.0.
     "decode_path": re.compile(r"DSA indexer decode path: (.*)"),
+    # Logged only where vLLM maps an alias ("fp8") to the format it stores (mla_attention.py).
     "kv_cache_format": re.compile(r"Using (\S+) KV cache format"),
+    # Logged for every quantized --kv-cache-dtype, fp8_ds_mla too (config/cache.py).
+    "kv_cache_dtype": re.compile(r"Using (\S+) data type to store kv cache"),
+    # The overlay of 0.24.0 only: 0.33.0's builder is given the runner's width up front.
     "block_table_growth": re.compile(r"DSA indexer: growing the expanded block table (.*)"),
-    "attention_backend": re.compile(r"Using (\S+) attention backend"),
+    # Chosen by vLLM ("Using X attention backend out of potential backends") or named with
+    # --attention-backend ("Using AttentionBackendEnum.X backend."): platforms/cuda.py.
+    "attention_backend": re.compile(r"Using (?:AttentionBackendEnum\.)?(\w+) (?:attention backend out of|backend\.)"),
+    # The overlay's own line: deepgemm, or b12x where its switch is on.
+    "indexer_kernels": re.compile(r"DSA sparse indexer kernels: (\w+)"),
+    # vLLM 0.33.0's JIT kernel warm-up: stock registers 2 compile keys, the overlay's
+    # metadata-kernel-warmup 65 (docs/validation/h200-2026-11-30-vllm0_33_0-run2).
+    "jit_warmup_keys": re.compile(r"JIT kernel warmup \((\d+) compile keys\)"),
 }
 
 
@@ -260,6 +286,93 @@ def log_facts(log_path: str) -> dict:
     facts = {name: sorted(set(pattern.findall(text))) for name, pattern in LOG_FACTS.items()}
     facts["errors"] = serving.log_errors(text)[:10]
     return facts
+
+
+# -- what each base gives on the H200 ------------------------------------------------------------
+
+# Per base, on sm_90 with DeepGEMM: the next_n the indexer decodes natively (0.24.0:
+# indexer.py, `next_n not in (1, 2)` flattens off SM100; 0.33.0: utils/deep_gemm.py,
+# native_next_n_supported) and the attention backend per --kv-cache-dtype (the sm_90 sparse MLA
+# priorities of platforms/cuda.py and each backend's kv-cache dtypes: FLASH_ATTN_MLA_SPARSE,
+# first on 0.33.0, takes bf16 caches only; FLASHMLA_SPARSE, next, takes fp8 and fp8_ds_mla).
+# The "auto" backends are the recipe's sm90 targets'.
+H200_PATHS = {
+    "0.24.0": {"native_next_n": (1, 2),
+               "backend": {"auto": "FLASHMLA_SPARSE", "fp8": "FLASHMLA_SPARSE", FP8_KV: "FLASHMLA_SPARSE"}},
+    "0.33.0": {"native_next_n": (1, 2, 4),
+               "backend": {"auto": "FLASH_ATTN_MLA_SPARSE", "fp8": "FLASHMLA_SPARSE", FP8_KV: "FLASHMLA_SPARSE"}},
+}
+_USE_FLATTENING = re.compile(r"use_flattening=(True|False)\b.*\bnext_n=(\d+)")
+
+
+def expected_on_h200(base: str | None, mode: Mode) -> dict | None:
+    """The attention backend, decode path and quantized KV-cache dtype `mode` gets on an H200
+    with vLLM `base`; None for a base or KV-cache dtype without a record."""
+    paths = H200_PATHS.get(base or "")
+    if paths is None or mode.kv_cache_dtype not in paths["backend"]:
+        return None
+    next_n = 1 + mode.spec_tokens
+    return {"attention_backend": paths["backend"][mode.kv_cache_dtype], "next_n": next_n,
+            "flattened": next_n not in paths["native_next_n"],
+            "kv_cache_dtype": None if mode.kv_cache_dtype == "auto" else mode.kv_cache_dtype}
+
+
+def logged_paths(facts: dict) -> dict:
+    """What one server logged of the same: backends, each decode path's next_n and flattening,
+    quantized KV-cache dtypes."""
+    decode = [{"next_n": int(m.group(2)), "flattened": m.group(1) == "True"}
+              for m in (_USE_FLATTENING.search(d) for d in facts.get("decode_path", [])) if m]
+    return {"attention_backend": facts.get("attention_backend", []), "decode": decode,
+            "kv_cache_dtype": facts.get("kv_cache_dtype", [])}
+
+
+def path_differences(expected: dict, logged: dict) -> list[str]:
+    """How one server's logged paths differ from `expected` (empty: as expected)."""
+    differences = []
+    if logged["attention_backend"] != [expected["attention_backend"]]:
+        differences.append(f"attention backend {logged['attention_backend']}, expected {expected['attention_backend']}")
+    want = {"next_n": expected["next_n"], "flattened": expected["flattened"]}
+    if logged["decode"] != [want]:
+        differences.append(f"decode path {logged['decode']}, expected {[want]}")
+    kv = [expected["kv_cache_dtype"]] if expected["kv_cache_dtype"] else []
+    if logged["kv_cache_dtype"] != kv:
+        differences.append(f"quantized KV-cache dtype {logged['kv_cache_dtype']}, expected {kv}")
+    return differences
+
+
+def paths_report(base: str | None, mode: Mode, logged: dict[str, dict]) -> dict:
+    """Per side, what was logged against what `base` gives on the H200 (information: stock and
+    the overlay are compared on whatever path they ran)."""
+    expected = expected_on_h200(base, mode)
+    sides = {side: logged_paths(facts) for side, facts in logged.items()}
+    report = {"vllm": base, "expected_on_h200": expected, "logged": sides}
+    if expected is not None:
+        report["differences"] = {side: path_differences(expected, paths) for side, paths in sides.items()}
+        report["as_expected"] = not any(report["differences"].values())
+    return report
+
+
+def paths_summary(paths: dict) -> str:
+    expected = paths.get("expected_on_h200")
+    if expected is None:
+        return f"paths not judged (no H200 record for vLLM {paths.get('vllm')} and this mode)"
+    what = (f"{expected['attention_backend']}, next_n={expected['next_n']} "
+            f"{'flattened' if expected['flattened'] else 'native'}")
+    if paths["as_expected"]:
+        return f"paths as on an H200 with vLLM {paths['vllm']} ({what})"
+    return f"paths NOT as on an H200 with vLLM {paths['vllm']} ({what}): {paths['differences']}"
+
+
+def resolve_base(requested: str | None, sites: list[str]) -> str | None:
+    """The vLLM release both sites hold (their dist-info), which --vllm must name if given; with
+    neither, None (the paths are then not judged)."""
+    found = {v for site in sites for v in installed_versions(Path(site), "vllm") if v}
+    if len(found) > 1:
+        raise SystemExit(f"the sites hold vLLM {sorted(found)}: stock and overlay must be one base")
+    installed = next(iter(found), None)
+    if requested and installed and requested != installed:
+        raise SystemExit(f"--vllm {requested}, but the sites hold vLLM {installed}")
+    return installed or requested
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -376,12 +489,13 @@ def stop_all(runs: list[dict]) -> None:
             serving.stop(server)
 
 
-def annotate(runs: list[dict], reports: dict) -> None:
+def annotate(runs: list[dict], reports: dict, base: str | None = None) -> None:
     """What each server logged, read once it has stopped; then each mode's verdict."""
     for r in runs:
         report = reports[r["mode"].name]
         report["server_logs"] = {side: os.path.basename(s["log"]) for side, s in r["servers"].items()}
         report["logged"] = {side: log_facts(s["log"]) for side, s in r["servers"].items()}
+        report["paths"] = paths_report(base, r["mode"], report["logged"])
         report["jit_during_inference"] = {side: serving.jit_kernels_during_inference(s["log"])
                                           for side, s in r["servers"].items()}
         report["ok"] = mode_ok(r["mode"], report)
@@ -402,6 +516,8 @@ def parse_args(argv):
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2,
                         help="only vLLM's start-up check of free memory reads it (the KV cache size is fixed)")
     parser.add_argument("--server-args", default="", help="more vllm serve arguments, one string")
+    parser.add_argument("--vllm", help="the vLLM base the sites hold (default: read from them); "
+                        "picks the decode paths and backends expected on the H200")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
@@ -411,6 +527,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    base = resolve_base(args.vllm, [args.stock_site, args.overlay_site])
     out_dir = Path(args.out)
     work_dir = Path(args.work_dir or out_dir / "work")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -424,13 +541,15 @@ def main(argv=None) -> int:
         reports = run_modes(runs, args)
     finally:
         stop_all(runs)
-    annotate(runs, reports)
-    doc = {"modes": reports, "ok": all(r["ok"] for r in reports.values())}
+    annotate(runs, reports, base)
+    doc = {"vllm": base, "modes": reports, "ok": all(r["ok"] for r in reports.values())}
     (out_dir / "serving-modes.json").write_text(json.dumps(doc, indent=1) + "\n")
     for name, report in reports.items():
         short = {k: v for k, v in report.items() if k not in ("sample_tokens", "logged", "mode")}
         print(name, json.dumps(short, indent=1))
-        print(f"{name}: {'PASS' if report['ok'] else 'FAIL'}")
+        # One line per mode (the H200 script keeps the lines with PASS or FAIL): the verdict
+        # and which paths it covered.
+        print(f"{name}: {'PASS' if report['ok'] else 'FAIL'}; {paths_summary(report['paths'])}")
     print("SERVING MODES:", "PASS" if doc["ok"] else "FAIL")
     return 0 if doc["ok"] else 1
 

@@ -8,16 +8,21 @@ Each step starts one server per side (stock and/or overlay, side by side, each w
 HOME, which holds every compile cache and is kept from step to step), waits for /health, runs
 the warm-up when the step says so, then sends per side, one side at a time: one fresh
 3,000-token request (the first) and five more (warm). The Triton kernels vLLM's JIT monitor
-logs (verbose: every compile, with its key) and the DeepGEMM compiler runs are split into those
-before healthy, during the warm-up and during the first request.
+logs (verbose: every compile, with its key), the other runtimes' it logs (CuTeDSL, TileLang:
+vLLM 0.33.0), the DeepGEMM compiler runs and the FlashInfer JIT modules built are split into
+those before healthy, during the warm-up and during the first request.
 
     cold          empty caches, no warm-up        (what a first `docker run` did)
     cold-warmup   empty caches, then the warm-up  (a first run of the image)
     warm          warm caches, no warm-up         (a restart with the cache volume, no warm-up)
     warm-warmup   warm caches, then the warm-up   (a restart of the image with the volume)
 
-Two calls of under ten minutes on the H200: --steps cold,warm-warmup and --steps
-cold-warmup,warm. Goal: the first request within 2x the warm latency.
+On the H200 the steps go in pairs, a cold one first: cold then warm-warmup, cold-warmup then
+warm, planned as one call of ten minutes per pair. A cold vLLM 0.33.0 server took
+239-281 s to become healthy on the H200, about 100 s of it building FlashInfer's sampling
+module (docs/validation/h200-2026-11-30-vllm0_33_0-run2); a pair may then not fit one call,
+and the HOMEs stay in --work-dir between calls, so each step can have a call of its own, in
+the same order. Goal: the first request within 2x the warm latency.
 
 Stdlib only. Usage:
     python -m dsa_image.validation.warmstart --model DIR --stock-site S --overlay-site O \\
@@ -52,8 +57,15 @@ FIRST_PROMPT_TOKENS = 3000  # the smoke test's long prompt, the issue's first re
 MAX_TOKENS = 16
 WARM_REQUESTS = 5
 GOAL_FACTOR = 2.0
-TRITON_JIT = re.compile(r"JIT compilation during inference: (\w+)")
-DEEPGEMM_NVCC = re.compile(r"Running NVCC command")
+# DeepGEMM's compiler runs, printed with DG_JIT_PRINT_COMPILER_COMMAND=1: "Running NVCC command:
+# <cmd>" by vLLM 0.24.0's DeepGEMM, "Running command: <cmd>" by the deep_jit runtime of 0.33.0's
+# (the strings of vllm/third_party/deep_gemm/_C_extension.abi3.so), which may run other
+# commands (`which nvcc`, cuobjdump) the same way: a compiler run is a command calling nvcc.
+DEEPGEMM_NVCC = re.compile(r"Running (?:NVCC )?command: (?!which )[^\n]*nvcc")
+# FlashInfer logs a module's build only when its library is not in the JIT cache yet
+# (flashinfer/jit/core.py, JitSpec.build): on vLLM 0.33.0 the sampling module, ~100 s of a cold
+# H200 start (docs/validation/h200-2026-11-30-vllm0_33_0-run2), none of a warm one.
+FLASHINFER_BUILD = re.compile(r"flashinfer\.jit: Building JIT module (\S+?);")
 
 
 def log_size(server: dict) -> int:
@@ -62,14 +74,30 @@ def log_size(server: dict) -> int:
     return os.path.getsize(server["log"])
 
 
-def log_slice(server: dict, start: int, end: int | None = None) -> dict:
-    """The compilations logged between two offsets of the server log."""
+def _read_slice(server: dict, start: int, end: int | None) -> str:
     with open(server["log"], "rb") as f:
         f.seek(start)
-        text = f.read(None if end is None else end - start).decode(errors="replace")
-    kernels = TRITON_JIT.findall(text)
+        return f.read(None if end is None else end - start).decode(errors="replace")
+
+
+def log_slice(server: dict, start: int, end: int | None = None) -> dict:
+    """The Triton kernels the JIT monitor saw and DeepGEMM's compiler runs between two offsets
+    of the server log."""
+    text = _read_slice(server, start, end)
+    kernels = [m.group(2) for m in serving.JIT_LINE.finditer(text) if m.group(1) == "Triton"]
     return {"triton_jit": {k: kernels.count(k) for k in sorted(set(kernels))},
             "deepgemm_nvcc_runs": len(DEEPGEMM_NVCC.findall(text))}
+
+
+def compiled_between(server: dict, start: int, end: int | None = None) -> dict:
+    """log_slice(), with what else compiled: FlashInfer's JIT modules built (vLLM 0.33.0's cold
+    start is mostly one) and kernels of the JIT monitor's other runtimes (CuTeDSL, TileLang on
+    0.33.0), "Runtime:name" with their counts."""
+    text = _read_slice(server, start, end)
+    others = [serving.jit_kernel_name(m) for m in serving.JIT_LINE.finditer(text) if m.group(1) != "Triton"]
+    return {**log_slice(server, start, end),
+            "flashinfer_jit_builds": FLASHINFER_BUILD.findall(text),
+            "other_jit": {k: others.count(k) for k in sorted(set(others))}}
 
 
 DEEPGEMM_LINE = re.compile(r"(?i)[^\n]*deep_?gemm[^\n]*")
@@ -80,7 +108,7 @@ def deepgemm_lines(log_path: str, limit: int = 8) -> list[str]:
     left by a stopped server once made the next one report DeepGEMM unavailable, and a warm
     cache volume must not do that."""
     with open(log_path, errors="replace") as f:
-        lines = [m.group(0).strip() for m in DEEPGEMM_LINE.finditer(f.read()) if "Running NVCC command" not in m.group(0)]
+        lines = [m.group(0).strip() for m in DEEPGEMM_LINE.finditer(f.read()) if not DEEPGEMM_NVCC.search(m.group(0))]
     # The message after the logger's prefix, once each, in order.
     unique = list(dict.fromkeys(re.sub(r"^.*?\] ", "", line) for line in lines))
     return unique[:limit]
@@ -119,10 +147,10 @@ def measure_side(server: dict, step: str, run_warmup: bool, token_ids: list[int]
     result["warm"] = warm
     result["first_over_warm"] = round(result["first"]["latency_s"] / result["warm_latency_s"], 2)
     result["goal_met"] = result["first"]["latency_s"] <= GOAL_FACTOR * result["warm_latency_s"]
-    result["compiled"] = {"before_healthy": log_slice(server, 0, healthy_at),
-                          "during_warmup": log_slice(server, healthy_at, ready_at),
-                          "during_first_request": log_slice(server, ready_at, first_done),
-                          "during_warm_requests": log_slice(server, first_done)}
+    result["compiled"] = {"before_healthy": compiled_between(server, 0, healthy_at),
+                          "during_warmup": compiled_between(server, healthy_at, ready_at),
+                          "during_first_request": compiled_between(server, ready_at, first_done),
+                          "during_warm_requests": compiled_between(server, first_done)}
     return result
 
 
@@ -167,10 +195,15 @@ def summary_lines(doc: dict) -> list[str]:
             if "first" not in r:
                 continue
             compiled = r["compiled"]["during_first_request"]
+            in_first = [*sorted(compiled["triton_jit"]), *sorted(compiled.get("other_jit", {})),
+                        *(f"FlashInfer:{m}" for m in compiled.get("flashinfer_jit_builds", []))]
+            # A warm start shows that its caches were found: no FlashInfer module built at start-up.
+            built = r["compiled"]["before_healthy"].get("flashinfer_jit_builds", [])
             lines.append(f"{step:<12} {side:<8} healthy {r['healthy_after_s']:>6.1f} s  ready {r['ready_after_s']:>6.1f} s  "
                          f"first {r['first']['latency_s']:.3f} s  warm {r['warm_latency_s']:.3f} s  "
                          f"x{r['first_over_warm']:<6} goal {'met' if r['goal_met'] else 'MISSED'}  "
-                         f"compiled in first: {sorted(compiled['triton_jit']) or '-'}"
+                         f"FlashInfer built at start: {built or '-'}  "
+                         f"compiled in first: {in_first or '-'}"
                          f"{', DeepGEMM x%d' % compiled['deepgemm_nvcc_runs'] if compiled['deepgemm_nvcc_runs'] else ''}")
     return lines
 
@@ -200,7 +233,10 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     work_dir = Path(args.work_dir or out_dir / "work")
     out_dir.mkdir(parents=True, exist_ok=True)
-    # The image keeps vLLM's compile cache (~/.cache/vllm); a warm start means nothing without it.
+    # The image keeps vLLM's compile cache (~/.cache/vllm); a warm start means nothing without it
+    # on vLLM 0.24.0. On 0.33.0 GLM-5 runs without torch.compile (its breakable CUDA graphs set
+    # CompilationMode.NONE: config/vllm.py, _maybe_enable_breakable_cudagraph), so the variable
+    # changes nothing there: FlashInfer's JIT cache is the one that saves most of a start.
     disabled = os.environ.pop("VLLM_DISABLE_COMPILE_CACHE", None)
     sides = {k: v for k, v in (("stock", args.stock_site), ("overlay", args.overlay_site)) if v}
     doc = {"first_prompt_tokens": FIRST_PROMPT_TOKENS, "max_tokens": MAX_TOKENS, "warm_requests": WARM_REQUESTS,
