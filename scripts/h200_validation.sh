@@ -24,13 +24,15 @@
 #            (token equivalence, JIT during inference).
 #   smoke    the smoke test's local runtime against the overlay, CUDA graphs on (SMOKE_ARGS,
 #            SMOKE_LABEL: e.g. TP=2 over Ray on two GPUs).
-#   mtp      stock vs overlay served with MTP, 1 and 3 speculative tokens (native
-#            and flattened indexer decode paths), CUDA graphs on.
+#   mtp      stock vs overlay served with MTP, CUDA graphs on, on both indexer decode paths:
+#            1 and 3 speculative tokens on 0.24.0 (native, flattened), 2 and 3 on 0.33.0
+#            (flattened, native: 0.33.0 takes next_n=4 natively on sm_90).
 #   longctx  stock vs overlay at max_model_len 65536, prompts of 20k-65k tokens,
 #            bf16 and fp8 (fp8_ds_mla) KV cache.
 #   deploy   stock vs overlay: fp8 KV at 8k, and 65536 + fp8 KV + MTP 3 together.
 #   warmstart  start-to-healthy with empty / warm caches, the first 3,000-token
-#            request with and without the warm-up (WARMSTART_STEPS, two calls).
+#            request with and without the warm-up (WARMSTART_STEPS; on 0.33.0 one step a
+#            call: cold, warm-warmup, cold-warmup, warm).
 #   bench    the paired benchmark (scripts/bench.py run; BENCH_ARGS, BENCH_LABEL).
 #   b12x     the overlay's b12x path with b12x's kernels emulated (emulation/, validation
 #            only): exact top-k against a dense reference per case, the emulation against
@@ -296,8 +298,8 @@ modes() {
   mtp_model
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving_modes --modes "$list" \
     --model "$model" --mtp-model "$model-mtp" \
-    --stock-site "$site_stock" --overlay-site "$site_overlay" --out "$results/$name" --timeout 480) \
-    > "$results/$name.log" 2>&1
+    --stock-site "$site_stock" --overlay-site "$site_overlay" --out "$results/$name" --timeout 480 \
+    --vllm "$vllm") > "$results/$name.log" 2>&1
   echo "$name exit: $?" | tee -a "$results/$name.log"
   grep -E "PASS|FAIL|error" "$results/$name.log" | tail -20
   cp "$results/$name/serving-modes.json" "$out/$name-serving-modes.json" 2>/dev/null
@@ -437,7 +439,7 @@ case $phase in
   toolchain) environment; toolchain; collect ;;
   serve) environment; serve; collect ;;
   smoke) environment; smoke; collect ;;
-  mtp) environment; modes mtp mtp1,mtp3; collect ;;
+  mtp) environment; modes mtp mtp-paths; collect ;;
   longctx) environment; modes longctx long-bf16,long-fp8; collect ;;
   deploy) environment; modes deploy fp8,long-fp8-mtp3; collect ;;
   warmstart) environment; warmstart; collect ;;

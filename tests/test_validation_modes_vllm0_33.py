@@ -297,3 +297,15 @@ def test_0_33s_deepgemm_prints_its_commands_as_running_command(wheel_0_33):
     binary = wheel_0_33.read("vllm/third_party/deep_gemm/_C_extension.abi3.so")
     assert b"Running command: %s" in binary and b"Running NVCC command" not in binary
     assert b"JIT_PRINT_COMPILER_COMMAND" in binary
+
+
+def test_the_mtp_phase_covers_both_decode_paths_of_each_base():
+    """`--modes mtp-paths` (the H200 script's mtp phase): one native and one flattened MTP mode."""
+    assert serving_modes.decode_path_modes("0.24.0") == ["mtp1", "mtp3"]
+    assert serving_modes.decode_path_modes("0.33.0") == ["mtp2", "mtp3"]
+    for base in ("0.24.0", "0.33.0"):
+        paths = {serving_modes.expected_on_h200(base, serving_modes.MODES[m])["flattened"]
+                 for m in serving_modes.decode_path_modes(base)}
+        assert paths == {True, False}
+    with pytest.raises(SystemExit, match="no decode-path record for vLLM 0.30.0"):
+        serving_modes.decode_path_modes("0.30.0")

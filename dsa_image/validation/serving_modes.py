@@ -363,6 +363,21 @@ def paths_summary(paths: dict) -> str:
     return f"paths NOT as on an H200 with vLLM {paths['vllm']} ({what}): {paths['differences']}"
 
 
+MTP_PATHS = "mtp-paths"  # --modes: the base's MTP modes that cover both decode paths
+
+
+def decode_path_modes(base: str | None) -> list[str]:
+    """Per indexer decode path on an H200 (native, flattened), the 8k MTP mode with the most draft
+    tokens: served side by side, they cover both paths of `base` (0.24.0: mtp1, mtp3; 0.33.0:
+    mtp2, mtp3)."""
+    if base not in H200_PATHS:
+        raise SystemExit(f"--modes {MTP_PATHS}: no decode-path record for vLLM {base} (H200_PATHS); name the modes")
+    mtp = sorted((m for m in MODES.values() if m.model == "mtp" and m.max_model_len == 8192
+                  and m.kv_cache_dtype == "auto"), key=lambda m: m.spec_tokens)
+    per_path = {expected_on_h200(base, m)["flattened"]: m.name for m in mtp}
+    return sorted(per_path.values())
+
+
 def resolve_base(requested: str | None, sites: list[str]) -> str | None:
     """The vLLM release both sites hold (their dist-info), which --vllm must name if given; with
     neither, None (the paths are then not judged)."""
@@ -503,7 +518,8 @@ def annotate(runs: list[dict], reports: dict, base: str | None = None) -> None:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", required=True, help=f"comma-separated, of: {', '.join(MODES)}")
+    parser.add_argument("--modes", required=True, help=f"comma-separated, of: {', '.join(MODES)}; or {MTP_PATHS}: "
+                        "the base's MTP modes, one per indexer decode path")
     parser.add_argument("--model", required=True, help="the tiny GLM-5 (scripts/make_tiny_model.py)")
     parser.add_argument("--mtp-model", help="the tiny GLM-5 with its MTP layer (for the MTP modes)")
     parser.add_argument("--stock-site", required=True)
@@ -519,7 +535,7 @@ def parse_args(argv):
     parser.add_argument("--vllm", help="the vLLM base the sites hold (default: read from them); "
                         "picks the decode paths and backends expected on the H200")
     args = parser.parse_args(argv)
-    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    unknown = [m for m in args.modes.split(",") if m not in MODES] if args.modes != MTP_PATHS else []
     if unknown:
         parser.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
     return args
@@ -528,12 +544,13 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     base = resolve_base(args.vllm, [args.stock_site, args.overlay_site])
+    names = decode_path_modes(base) if args.modes == MTP_PATHS else args.modes.split(",")
     out_dir = Path(args.out)
     work_dir = Path(args.work_dir or out_dir / "work")
     out_dir.mkdir(parents=True, exist_ok=True)
     work_dir.mkdir(parents=True, exist_ok=True)
     # Every model first: a missing one stops the run before any server starts.
-    chosen = [(MODES[m], model_for(MODES[m], args, work_dir)) for m in args.modes.split(",")]
+    chosen = [(MODES[m], model_for(MODES[m], args, work_dir)) for m in names]
     runs: list[dict] = []
     try:
         for i, (mode, model) in enumerate(chosen):
