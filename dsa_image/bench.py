@@ -8,6 +8,8 @@ every round so that a drift within a pair of rounds cancels. Each round gives on
 metric; the summary is the median of those ratios with a seeded percentile-bootstrap interval.
 
 Ratios are B/A: above 1 means B is faster for output tokens/s and B is slower for TTFT and TPOT.
+A workload of an MTP group also records each side's draft acceptance (vLLM's spec-decode counters
+on /metrics) and fails when a side counted no drafts: it would not have measured MTP.
 
     python3 scripts/bench.py plan [--workloads ...]            # what would run, estimated time
     python3 scripts/bench.py run --a-site S --b-site O --model DIR --out DIR [...]
@@ -91,6 +93,11 @@ def _mtp(tokens: int) -> tuple[str, ...]:
     return ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": tokens}))
 
 
+def speculative(server_args: list[str] | tuple[str, ...]) -> bool:
+    """Whether servers started with these arguments decode speculatively (MTP)."""
+    return any(a == "--speculative-config" or a.startswith("--speculative-config=") for a in server_args)
+
+
 GROUPS = {
     "base": Group("base", "base", 8192),
     "long": Group("long", "long", 65536),
@@ -113,8 +120,12 @@ WORKLOADS = (
 )
 
 # The time model behind `plan`. Start-up times were measured on the H200 (two servers side by
-# side, default flags); the per-token costs are assumptions until a run prints its measured
-# warm-up rounds, which replace them in the projection it prints.
+# side, default flags, vLLM 0.24.0); the per-token costs are assumptions until a run prints its
+# measured warm-up rounds, which replace them in the projection it prints. vLLM 0.33.0 with empty
+# caches: three servers of the tiny GLM-5 side by side were healthy after 270-281 s, ~100 s of it
+# FlashInfer's sampler JIT (docs/validation/h200-2026-11-30-vllm0_33_0-run2, section 3); a server
+# with MTP took longer still (it reached that JIT only ~180 s after its start: that run's
+# recipe-glm-5-fp8-8xb200.log), so an MTP group's cold start may need more than 280 s.
 STARTUP_S = {"empty caches": 280.0, "warm caches": 66.0}
 # With --deadline-s: what stopping the servers and writing the results may take after it.
 STOP_MARGIN_S = 60.0
@@ -511,6 +522,24 @@ def workload_acceptance(rounds: list[dict]) -> dict | None:
     return per_side if any(per_side.values()) else None
 
 
+def missing_drafts(result: dict) -> str | None:
+    """Why an MTP workload's rounds do not measure speculative decoding, or None when both sides
+    drafted. An MTP server registers vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py,
+    the same names in 0.24.0 and 0.33.0) and counts every draft; a side without counters, or with
+    no draft tokens over the rounds, served without its draft path, and comparing it would pass
+    for an MTP result."""
+    if not result["rounds_done"]:
+        return None
+    spec = result.get("spec_decode") or {}
+    problems = []
+    for side in SIDES:
+        if not (spec.get(side) or {}).get("draft_tokens"):
+            deltas = [r["sides"][side]["spec_decode"] for r in result["rounds"]]
+            problems.append(f"{side}: " + ("no spec-decode counters on /metrics" if not any(deltas)
+                                           else "no draft tokens counted"))
+    return "; ".join(problems) or None
+
+
 def new_results(args, plan: Plan, builds: list[Build], argv: list[str]) -> dict:
     return {
         "schema": SCHEMA,
@@ -581,7 +610,11 @@ def run_groups(args, plan: Plan, servers: list[dict], doc: dict, path: Path, dea
             continue
         for w in (w for w in plan.workloads if w.group == group.name):
             result = run_workload(pair, w, token_ids, args, deadline)
-            result["failed"] = result["rounds_done"] > 0 and not any(r["ratios"] for r in result["rounds"])
+            if speculative(_server_args(args, group)) and (problem := missing_drafts(result)):
+                result["spec_decode_problem"] = problem
+                print(f"  {w.name}: not an MTP measurement: {problem}", flush=True)
+            result["failed"] = bool(result["rounds_done"] > 0 and not any(r["ratios"] for r in result["rounds"])
+                                    or result.get("spec_decode_problem"))
             doc["workloads"].append(result)
             write_json(doc, path)  # a run cut short still leaves every finished workload
 

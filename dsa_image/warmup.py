@@ -10,7 +10,10 @@ that still took 3.8 s (overlay) / 4.9 s (stock) against 0.07 s warm: Triton comp
 warm-up runs those shapes: prefills above the indexer's top-k (2,048), one of them long where
 max_model_len allows, decode batches at the concurrencies served, greedy and sampled, and a
 mixed prefill+decode batch. With MTP configured every decode step is speculative, so the same
-requests warm the draft path.
+requests warm the draft path; the report records the drafts vLLM counted meanwhile (its
+spec-decode counters on /metrics, present only when speculative decoding is configured), and
+the log warns when there were none. A request answered HTTP 503 (vLLM 0.33.0: busy, try again)
+is sent again within the budget.
 
     python -m dsa_image.warmup supervise [--marker PATH] -- vllm serve MODEL [FLAGS...]
     python -m dsa_image.warmup run --url http://127.0.0.1:8000      # warm a running server
@@ -72,6 +75,17 @@ LONG_PREFILL_FROM = 16384  # max_model_len from which one long prefill (several 
 LONG_PREFILL_MAX = 32768
 DECODE_TOKENS = 16
 SAMPLED = {"temperature": 0.7, "top_p": 0.9, "top_k": 40}
+# HTTP 503 is vLLM 0.33.0's "busy, send it again": its admission control (--max-num-queued-reqs,
+# --max-num-queued-tokens: QueueOverflowError / MaxQueuedTokensError, vllm/exceptions.py and
+# vllm/config/scheduler.py) and RetryableRequestError answer so; vLLM 0.24.0 has none of them. A
+# decode step sends up to 32 requests at once, so under such a cap the warm-up waits and sends
+# again, within its budget, instead of marking a working server unhealthy for good.
+RETRY_STATUS = 503
+RETRY_PAUSE_S = 1.0
+# Reading vLLM's spec-decode counters again until two reads agree: the API server records a
+# step's statistics after it has sent that step's tokens (serving_modes.settle).
+SPEC_SETTLE_READS = 6
+SPEC_SETTLE_PAUSE_S = 0.5
 
 
 class WarmupError(Exception):
@@ -219,17 +233,30 @@ def prompt_ids(length: int, key: str) -> list[int]:
 
 
 def send(endpoint: Endpoint, model: str, request: Request, key: str, timeout: float) -> int:
-    """One completion; the number of tokens it produced (ignore_eos: max_tokens unless broken)."""
+    """One completion; the number of tokens it produced (ignore_eos: max_tokens unless broken).
+    An HTTP 503 (busy: see RETRY_STATUS) is sent again until `timeout` has passed."""
+    retry_pause_s = RETRY_PAUSE_S
     payload = {"model": model, "prompt": prompt_ids(request.prompt_len, key), "max_tokens": request.max_tokens,
                "ignore_eos": True, "temperature": 0.0, **request.sampling}
     if request.sampling:
         payload["logprobs"] = 1  # the logprobs path, on the sampled requests
-    try:
-        status, body = _request(endpoint, "/v1/completions", payload, timeout)
-    except TimeoutError:  # the timeout is what was left of the warm-up's budget
-        raise WarmupError(f"out of time ({timeout:.0f} s left)") from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise WarmupError(f"no answer: {exc}") from None
+    deadline = time.monotonic() + timeout
+    busy = 0
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            status, body = _request(endpoint, "/v1/completions", payload, max(left, 0.001))
+        except TimeoutError:  # the timeout is what was left of the warm-up's budget
+            raise WarmupError(f"out of time ({timeout:.0f} s left)") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise WarmupError(f"no answer: {exc}") from None
+        if status != RETRY_STATUS:
+            break
+        busy += 1
+        if deadline - time.monotonic() <= retry_pause_s:
+            raise WarmupError(f"HTTP {status} (busy) {busy} time(s) until out of time ({timeout:.0f} s): "
+                              f"{body[:300]!r}")
+        time.sleep(retry_pause_s)
     if status != 200:
         raise WarmupError(f"HTTP {status}: {body[:300]!r}")
     produced = json.loads(body).get("usage", {}).get("completion_tokens")
@@ -301,12 +328,58 @@ def _seconds(environ: dict[str, str], name: str, default: float) -> float:
     return value
 
 
+# -- speculative decoding (MTP): did the warm-up run the draft path? -----------------------------
+
+
+def spec_counters(endpoint: Endpoint) -> dict | None:
+    """vLLM's spec-decode counters from /metrics (summed over engines), or None where it has none.
+    vLLM registers them only when speculative decoding is configured (SpecDecodingProm,
+    vllm/v1/spec_decode/metrics.py, the same names in 0.24.0 and 0.33.0), so their presence is
+    how the warm-up tells an MTP server without parsing vLLM's flags (a --config file, an
+    entrypoint of its own). /metrics is outside --api-key's guarded /v1 paths."""
+    # Imported here: the health check imports this module every 30 s and needs none of it.
+    from .validation.serving_modes import parse_spec_counters
+
+    try:  # a record only: nothing here may fail the warm-up
+        status, body = _request(endpoint, "/metrics", timeout=30)
+        return parse_spec_counters(body.decode(errors="replace")) if status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+
+
+def settled_spec_counters(endpoint: Endpoint, reads: int = SPEC_SETTLE_READS,
+                          pause_s: float = SPEC_SETTLE_PAUSE_S) -> dict | None:
+    from .validation.serving_modes import settle
+
+    return settle(lambda: spec_counters(endpoint), pause_s, reads)
+
+
+def spec_decode_report(before: dict | None, after: dict | None) -> dict | None:
+    """What the warm-up's requests drafted and accepted; None for a server without speculative
+    decoding (no counters on /metrics, or /metrics not answering)."""
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
+
+
+def _log_spec_decode(spec: dict | None, log: Callable[[str], None]) -> None:
+    if spec is None:
+        return
+    if spec["drafts"] > 0:
+        log(f"dsa-image warmup: speculative decoding (MTP) ran in the warm-up: {spec['drafts']:.0f} drafts, "
+            f"{spec['draft_tokens']:.0f} draft tokens, {spec['accepted_tokens']:.0f} accepted")
+    else:  # recorded, not a failure: the server serves, its draft path just did not run here
+        log("dsa-image warmup: WARNING: speculative decoding is configured (its counters are on /metrics) "
+            "but the warm-up's requests made no drafts: the draft path was not warmed")
+
+
 def warm(endpoint: Endpoint, settings: Settings = Settings(), log: Callable[[str], None] = print) -> dict:
     """Send every step's requests to a healthy server; raises WarmupError on a bad answer."""
     model, max_model_len = served_model(endpoint)
     steps = plan_steps(max_model_len, settings.prefill, settings.concurrency)
     deadline = time.monotonic() + settings.timeout_s
     report = {"model": model, "max_model_len": max_model_len, "steps": {}}
+    spec_before = spec_counters(endpoint)
     start = time.monotonic()
     for step in steps:
         remaining = deadline - time.monotonic()
@@ -318,6 +391,9 @@ def warm(endpoint: Endpoint, settings: Settings = Settings(), log: Callable[[str
             raise WarmupError(f"step {step.name}: {exc}") from None
         report["steps"][step.name] = round(seconds, 3)
         log(f"dsa-image warmup: {step.name}: {len(step.requests)} request(s) in {seconds:.2f} s")
+    report["spec_decode"] = spec_decode_report(
+        spec_before, settled_spec_counters(endpoint) if spec_before is not None else None)
+    _log_spec_decode(report["spec_decode"], log)
     report["seconds"] = round(time.monotonic() - start, 3)
     return report
 

@@ -45,13 +45,21 @@ class FakeOpenAI:
     [DONE]), salt (other tokens: a build that computes differently), empty_text (tokens that
     detokenize to "", as lone bytes of a byte-level tokenizer do), other_text (the same tokens,
     another text: a detokenizer that differs), no_tokens (nothing generated), no_usage (a stream
-    without usage in its chunks)."""
+    without usage in its chunks).
+
+    spec: True: vLLM's spec-decode counters on /metrics, counting drafts; "idle": the counters
+    without drafts (a server whose draft path does not run).
+
+    busy: the first `busy` completions are refused with vLLM 0.33.0's HTTP 503 for a full queue
+    (QueueOverflowError, vllm/exceptions.py), as under --max-num-queued-reqs."""
 
     def __init__(self, ttft_s=0.0, token_s=0.0, max_model_len=8192, faults=(), unhealthy_polls=0,
-                 spec=False, jit_line_on_first=False):
+                 spec=False, jit_line_on_first=False, busy=0):
         self.ttft_s, self.token_s, self.max_model_len = ttft_s, token_s, max_model_len
         self.faults, self.unhealthy_polls, self.spec = set(faults), unhealthy_polls, spec
         self.jit_line_on_first = jit_line_on_first
+        self.busy = busy
+        self.refused = 0
         self.requests: list[dict] = []
         self.active = self.max_active = 0
         self.counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos0": 0, "pos1": 0}
@@ -70,7 +78,7 @@ class FakeOpenAI:
     def end(self, tokens: int) -> None:
         with self.lock:
             self.active -= 1
-            if self.spec:
+            if self.spec is True:  # "idle": the counters are there, no drafts are made
                 self.counters["drafts"] += tokens // 2
                 self.counters["draft_tokens"] += tokens
                 self.counters["accepted"] += tokens // 4
@@ -144,6 +152,14 @@ def make_handler(state: FakeOpenAI):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
             if self.path != "/v1/completions":
                 return self._send(404, {"error": "not found"})
+            with state.lock:
+                refuse = state.refused < state.busy
+                state.refused += refuse
+            if refuse:  # vLLM 0.33.0's answer (create_error_response of a GracefulHTTPError)
+                return self._send(503, {"error": {
+                    "message": "The engine is currently busy and cannot accept new requests. Please try again "
+                               "later or on a different instance.",
+                    "type": "Service Unavailable", "param": None, "code": 503}})
             state.begin(body)
             self.ended = False
             try:
@@ -536,6 +552,35 @@ def test_a_run_writes_results_that_follow_the_schema(tmp_path, tiny_model):
     assert mtp["spec_decode"]["B"]["acceptance_rate"] == pytest.approx(0.25)
     assert set(doc["healthy_after_s"]) == {"bench-base-A", "bench-base-B", "bench-mtp1-A", "bench-mtp1-B"}
     assert (tmp_path / "out" / "server-bench-base-A.log").is_file()
+
+
+@pytest.mark.parametrize("spec, problem", [(False, "A: no spec-decode counters on /metrics; B: no spec-decode "
+                                                   "counters on /metrics"),
+                                           ("idle", "A: no draft tokens counted; B: no draft tokens counted")])
+def test_an_mtp_workload_whose_servers_made_no_drafts_fails(tmp_path, tiny_model, spec, problem):
+    """Both sides must have drafted: an MTP group served without its draft path (no counters, or
+    counters that never move) would otherwise pass for an MTP comparison."""
+    code, doc = _run_bench(tmp_path, tiny_model, "--workloads", "mtp1-512x128-c1", "--rounds-scale", "0.1",
+                           "--requests-scale", "0.5", fake={"ttft_s": 0.002, "spec": spec})
+    w = doc["workloads"][0]
+    assert code == 1 and w["failed"] is True and w["spec_decode_problem"] == problem
+    assert w["summary"]["output_tok_s"]["n"] == w["rounds_done"] > 0  # the rounds themselves ran
+
+
+def test_a_base_workload_needs_no_drafts(tmp_path, tiny_model):
+    code, doc = _run_bench(tmp_path, tiny_model, "--workloads", "512x128-c1", "--rounds-scale", "0.1",
+                           "--requests-scale", "0.5", fake={"ttft_s": 0.002})
+    assert code == 0 and doc["workloads"][0]["spec_decode"] is None
+    assert "spec_decode_problem" not in doc["workloads"][0]
+
+
+def test_speculative_reads_the_server_arguments():
+    assert bench.speculative(bench._server_args(bench.parse_args(_RUN_ARGS), bench.GROUPS["mtp3"]))
+    assert not bench.speculative(bench._server_args(bench.parse_args(_RUN_ARGS), bench.GROUPS["base"]))
+    assert bench.speculative(["--speculative-config={\"method\": \"mtp\"}"])
+
+
+_RUN_ARGS = ["run", "--a-site", "a", "--b-site", "b", "--model", "m", "--out", "o"]
 
 
 def test_a_run_of_a_failing_build_fails(tmp_path, tiny_model):

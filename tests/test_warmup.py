@@ -147,8 +147,10 @@ def test_warm_sends_the_api_key():
         handler.do_POST = lambda self: seen.append((self.path, self.headers.get("Authorization"))) or post(self)
         warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}", "sekret"),
                     warmup.Settings(prefill=(), concurrency=(1,)), lambda line: None)
-    # /v1/models, then decode-c1-sampled and decode-c1
-    assert seen == [("/v1/models", "Bearer sekret")] + [("/v1/completions", "Bearer sekret")] * 2
+    # /v1/models, /metrics (no spec-decode counters there: no second read), then decode-c1-sampled
+    # and decode-c1
+    assert seen == [("/v1/models", "Bearer sekret"), ("/metrics", "Bearer sekret")] + [
+        ("/v1/completions", "Bearer sekret")] * 2
 
 
 @pytest.mark.parametrize("fault, message", [("http_500", "HTTP 500"), ("short", "prefill-2049: 3 tokens for max_tokens=4")])
@@ -156,6 +158,85 @@ def test_warm_fails_on_a_bad_answer(fault, message):
     with fakes.FakeServer(fakes.FakeOpenAI(faults={fault})) as server:
         with pytest.raises(warmup.WarmupError, match=message):
             warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
+
+
+def test_a_busy_server_is_sent_the_request_again(monkeypatch):
+    """vLLM 0.33.0 refuses a request over its admission limits with HTTP 503, "try again later"
+    (QueueOverflowError; 0.24.0 has no such answer): the c=32 step under --max-num-queued-reqs
+    must wait, not fail the warm-up and leave the container unhealthy for good."""
+    monkeypatch.setattr(warmup, "RETRY_PAUSE_S", 0.01)
+    state = fakes.FakeOpenAI(busy=5)
+    lines = []
+    with fakes.FakeServer(state) as server:
+        report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+                             warmup.Settings(prefill=(), concurrency=(4,)), lines.append)
+    assert state.refused == 5 and len(state.requests) == 1 + 4  # each request answered once in the end
+    assert list(report["steps"]) == ["decode-c1-sampled", "decode-c4"]
+
+
+def test_a_server_busy_until_the_budget_ends_fails_saying_so(monkeypatch):
+    monkeypatch.setattr(warmup, "RETRY_PAUSE_S", 0.05)
+    with fakes.FakeServer(fakes.FakeOpenAI(busy=10**6)) as server:
+        with pytest.raises(warmup.WarmupError, match=r"decode-c1-sampled: HTTP 503 \(busy\) \d+ time\(s\) until out "
+                                                     r"of time .*currently busy"):
+            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+                        warmup.Settings(prefill=(), concurrency=(1,), timeout_s=0.5), lambda line: None)
+
+
+def test_other_errors_are_not_sent_again():
+    state = fakes.FakeOpenAI(faults={"http_500"})
+    with fakes.FakeServer(state) as server:
+        with pytest.raises(warmup.WarmupError, match="HTTP 500"):
+            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+                        warmup.Settings(prefill=(), concurrency=(1,)), lambda line: None)
+    assert len(state.requests) == 1
+
+
+def test_the_report_says_what_the_mtp_draft_path_did(monkeypatch):
+    """An MTP server has vLLM's spec-decode counters on /metrics: the warm-up records the drafts
+    its requests made (the README's "through MTP's draft path when configured", checked)."""
+    monkeypatch.setattr(warmup, "SPEC_SETTLE_PAUSE_S", 0.01)
+    state, lines = fakes.FakeOpenAI(spec=True), []
+    with fakes.FakeServer(state) as server:
+        report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+                             warmup.Settings(prefill=(2500,), concurrency=(2,)), lines.append)
+    c = state.counters
+    assert report["spec_decode"] == {"drafts": c["drafts"], "draft_tokens": c["draft_tokens"],
+                                     "accepted_tokens": c["accepted"]}
+    assert report["spec_decode"]["drafts"] > 0
+    assert any("speculative decoding (MTP) ran in the warm-up" in line for line in lines)
+
+
+def test_no_drafts_on_an_mtp_server_is_a_warning_and_none_without_mtp(monkeypatch):
+    monkeypatch.setattr(warmup, "SPEC_SETTLE_PAUSE_S", 0.01)
+    for spec, expected in (("idle", {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}), (False, None)):
+        lines = []
+        with fakes.FakeServer(fakes.FakeOpenAI(spec=spec)) as server:
+            report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+                                 warmup.Settings(prefill=(), concurrency=(1,)), lines.append)
+        assert report["spec_decode"] == expected
+        assert any("WARNING" in line and "no drafts" in line for line in lines) == (spec == "idle")
+
+
+def test_spec_counters_of_a_real_vllm_0_33_exposition():
+    """Counter lines laid out as prometheus_client writes vLLM 0.33.0's SpecDecodingProm (labels
+    model_name and engine, the per-position one with position; `_total` and `_created` samples;
+    vllm/v1/spec_decode/metrics.py, vllm/v1/metrics/loggers.py); the values are made up."""
+    text = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        "# TYPE vllm:spec_decode_num_drafts_total counter",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="glm-5"} 12.0',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="glm-5"} 1.7646e+09',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="glm-5"} 36.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="glm-5"} 9.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="glm-5",position="0"} 6.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="glm-5",position="1"} 2.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="glm-5",position="2"} 1.0'])
+    before = {"drafts": 2.0, "draft_tokens": 6.0, "accepted_tokens": 1.0, "accepted_per_position": [1.0, 0.0, 0.0]}
+    from dsa_image.validation.serving_modes import parse_spec_counters
+
+    assert warmup.spec_decode_report(before, parse_spec_counters(text)) == {
+        "drafts": 10.0, "draft_tokens": 30.0, "accepted_tokens": 8.0}
 
 
 def test_warm_fails_when_out_of_time():

@@ -9,7 +9,7 @@ what only runs on sm_100 / sm_120 is replaced by the sm90 image's choice. Recipe
 scaled-down forms are identical are served once.
 
     python -m dsa_image.validation.recipes --list
-    python -m dsa_image.validation.recipes --out DIR [--only NAME ...] [--site-packages S] [--timeout 600]
+    python -m dsa_image.validation.recipes --out DIR [--only NAME ...] [--site-packages S] [--timeout 480]
         [--work DIR]
 
 Per run: the server's time to /health, a short and a 3000-token greedy completion (both must
@@ -52,6 +52,18 @@ LONG_PROMPT = 3000  # > index_topk (2048): the prefill reaches the indexer
 SHORT_PROMPT = 20
 MAX_TOKENS = 16
 B12X_ENV = "VLLM_USE_B12X_SPARSE_INDEXER"
+# Seconds a server may take to answer /health. A cold vLLM 0.33.0 start is far longer than
+# 0.24.0's (whose MTP recipes were healthy in 144-152 s: docs/validation/
+# h200-2026-11-30-overlay-f1d4805b/recipes/*.json). Every run starts from an empty HOME, so 0.33.0
+# JIT-compiles FlashInfer's sampling module (85-108 s on the H200: run2 README section 3). The
+# 8x B200 recipe scaled down (MTP 3) spent 88 s resolving its two models' architectures, reached
+# that compilation about 180 s after its start and was still in it when --timeout 270 ran out
+# (docs/validation/h200-2026-11-30-vllm0_33_0-run2/recipe-glm-5-fp8-8xb200.log); the smoke's
+# server took 169 s from that compilation's start to healthy (smoke-server.log there): about
+# 350 s before MTP's own graphs. 480 leaves room for those and, with the requests and the stop,
+# stays inside one 600-s device call; the former default, 600, was that whole call, so a late
+# server got the call killed before its result was written.
+DEFAULT_TIMEOUT_S = 480.0
 
 
 @dataclass(frozen=True)
@@ -240,9 +252,25 @@ def port_accepts(port: int, host: str = "127.0.0.1") -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
+def last_log_line(log_path: Path, tail_bytes: int = 65536) -> str | None:
+    """The last non-blank line a server has logged so far (at most 400 characters)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # splitlines also splits at the carriage returns tqdm redraws its bar with: the last redraw wins.
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1][:400] if lines else None
+
+
 def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout: float, poll_s: float = 2) -> float:
     """Seconds until /health answers from the server `proc` started. An answer counts only while
-    that process is alive and has written to its log: anything else is another server's answer."""
+    that process is alive and has written to its log: anything else is another server's answer.
+    Out of time, the error names the server's last log line before it is stopped: what it was
+    still doing (e.g. vLLM 0.33.0's "flashinfer.jit: Building JIT module sampling"), since the
+    log's end afterwards is the traceback the stop itself causes (ninja "interrupted by user")."""
     started = time.monotonic()
     while True:
         if proc.poll() is not None:
@@ -250,7 +278,8 @@ def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout: flo
         if _healthy(port) and proc.poll() is None and log_path.stat().st_size > 0:
             return round(time.monotonic() - started, 1)
         if time.monotonic() - started > timeout:
-            raise TimeoutError(f"not healthy after {timeout:.0f} s")
+            raise TimeoutError(f"not healthy after {timeout:.0f} s; still running, its last log line: "
+                               f"{last_log_line(log_path) or '(none)'}")
         time.sleep(poll_s)
 
 
@@ -332,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="tiny models and per-run HOMEs (default: a new temporary "
                                                   "directory); kept out of --out, which keeps only results")
     parser.add_argument("--port", type=int, default=8200)
-    parser.add_argument("--timeout", type=float, default=600, help="seconds for a server to become healthy")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help=f"seconds for a server to become healthy (default {DEFAULT_TIMEOUT_S:.0f}: a cold vLLM "
+                             "0.33.0 start with MTP, inside one 600-s device call)")
     args = parser.parse_args(argv)
     build = load_recipe()
     names = args.only or serve_recipe_names()

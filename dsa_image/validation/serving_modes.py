@@ -195,17 +195,22 @@ def scrape_spec_counters(port: int, host: str = "127.0.0.1") -> dict | None:
         connection.close()
 
 
-def settled_spec_counters(port: int, pause_s: float = 0.5, attempts: int = 10) -> dict | None:
-    """The counters once two reads agree: vLLM's API server records a step's statistics after
-    it has sent that step's tokens, so a read right after the last response can miss them."""
-    last = scrape_spec_counters(port)
+def settle(read: Callable[[], dict | None], pause_s: float, attempts: int) -> dict | None:
+    """The counters `read` returns once two reads agree (None at once: a server without them):
+    vLLM's API server records a step's statistics after it has sent that step's tokens, so a
+    read right after the last response can miss them."""
+    last = read()
     for _ in range(attempts if last is not None else 0):
         time.sleep(pause_s)
-        now = scrape_spec_counters(port)
+        now = read()
         if now == last:
             break
         last = now
     return last
+
+
+def settled_spec_counters(port: int, pause_s: float = 0.5, attempts: int = 10) -> dict | None:
+    return settle(lambda: scrape_spec_counters(port), pause_s, attempts)
 
 
 def counter_delta(before: dict | None, after: dict | None) -> dict | None:
