@@ -87,7 +87,12 @@ if [ "$phase" = paths ]; then
   exit 0
 fi
 mkdir -p "$results" "$out"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# These GPUs are shared: NVLink multicast stays off in NCCL, PyTorch and NVSHMEM, and FlashInfer's
+# all-reduce (vLLM 0.33.0's default, GLM-5's fused all-reduce + RMSNorm) takes its TRT-LLM
+# workspace, which creates no multicast object (its MNNVL one calls cuMulticastCreate). The
+# cluster phase sets its own per layout (dsa_image/validation/cluster.py, ALLREDUCE_GUARD).
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm
 export VLLM_DISABLE_COMPILE_CACHE=1
 
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
@@ -401,7 +406,7 @@ cluster() {
   log "cluster: $CLUSTER_LAYOUTS, stock vs overlay side by side, within $budget s"
   (cd /tmp && PYTHONPATH="$repo" timeout -k 20 $((budget - 20)) python3 -m dsa_image.validation.cluster run \
     --layouts "$CLUSTER_LAYOUTS" --model "$model" --stock-site "$site_stock" \
-    --overlay-site "$site_overlay" --out "$dir" --deadline-s $((budget - 50)) ${CLUSTER_ARGS:-}) \
+    --overlay-site "$site_overlay" --out "$dir" --deadline-s $((budget - 50)) --vllm "$vllm" ${CLUSTER_ARGS:-}) \
     > "$results/cluster-run.log" 2>&1
   echo "cluster run exit: $?" | tee -a "$results/cluster-run.log"
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.cluster cleanup) >> "$results/cluster-run.log" 2>&1

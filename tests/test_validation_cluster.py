@@ -221,6 +221,51 @@ def test_node_and_server_environments_carry_address_interfaces_tag_and_the_safet
         assert env["NVSHMEM_DISABLE_NVLS"] == "1"
 
 
+def test_flashinfer_all_reduce_is_kept_off_nvlink_multicast_where_vllm_counts_one_node():
+    # vLLM 0.33.0's "auto" takes FlashInfer's MNNVL backend (cuMulticastCreate) for a TP group on
+    # one node; TRT-LLM's workspace has multicast off. vLLM counts nodes by /dev/shm.
+    one_node = [(cluster.LAYOUTS["mp-tp2"], None),
+                (cluster.LAYOUTS["ray1-tp2"], cluster.plan_cluster(_spec("ray1-tp2"), "stock", None, 0)),
+                (cluster.LAYOUTS["ray2-tp2"], cluster.plan_cluster(_spec("ray2-tp2@shared"), "stock", "shared", 1))]
+    for layout, plan in one_node:
+        envs = [cluster.server_env_extra(layout, plan, "T")]
+        envs += [cluster.node_env_extra(plan, node, "T") for node in (plan.nodes if plan else [])]
+        for env in envs:
+            assert env["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] == "trtllm", (layout.name, env)
+            assert "VLLM_ALLREDUCE_USE_FLASHINFER" not in env
+        assert cluster.allreduce_args(layout, plan) == []
+
+
+@pytest.mark.parametrize("method", ["netns", "mountns"])
+def test_where_vllm_counts_two_nodes_flashinfer_all_reduce_and_the_fusion_pass_are_off(method):
+    # "trtllm" refuses a two-node group (ValueError); 0.24.0's "auto" takes MNNVL for two nodes.
+    plan = cluster.plan_cluster(_spec("ray2-tp2"), "overlay", method, 2)
+    for env in [cluster.server_env_extra(cluster.LAYOUTS["ray2-tp2"], plan, "T")] + [
+            cluster.node_env_extra(plan, node, "T") for node in plan.nodes]:
+        assert env["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] == "auto" and env["VLLM_ALLREDUCE_USE_FLASHINFER"] == "0"
+        assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    flags = cluster.allreduce_args(cluster.LAYOUTS["ray2-tp2"], plan)
+    assert flags[0] == "--compilation-config"
+    assert json.loads(flags[1]) == {"pass_config": {"fuse_allreduce_rms": False}}
+    # TP = 1 turns the pass off by itself: the PP layout keeps vLLM's flags.
+    pp_plan = cluster.plan_cluster(_spec("ray2-pp2"), "overlay", method, 3)
+    assert cluster.allreduce_args(cluster.LAYOUTS["ray2-pp2"], pp_plan) == []
+
+
+def test_a_log_showing_flashinfers_mnnvl_workspace_fails_the_build():
+    trtllm = ("(Worker_TP0 pid=5) INFO 12-01 10:00:00 [flashinfer_all_reduce.py:236] Initialized FlashInfer "
+              "Allreduce norm fusion workspace with backend=trtllm\n")
+    facts = cluster.log_facts(trtllm)
+    assert facts["flashinfer_allreduce_workspaces"] == ["trtllm"] and not facts["flashinfer_mnnvl_tried"]
+    report = {"healthy_after_s": 90.0, "results": _results([1]), "logged": facts}
+    assert cluster.build_problems(report) == []
+    for line in (trtllm.replace("backend=trtllm", "backend=mnnvl"),
+                 "WARNING [flashinfer_all_reduce.py:218] FlashInfer mnnvl allreduce workspace unavailable (likely "
+                 "no NVSwitch multicast support); falling back to trtllm backend for single node.\n"):
+        report["logged"] = cluster.log_facts(line)
+        assert any("NVLink multicast" in p for p in cluster.build_problems(report)), line
+
+
 def test_server_env_puts_the_build_first_and_gives_it_its_own_caches(tmp_path):
     env = serving.server_env("/tmp/site-x", str(tmp_path / "home"), {"CUDA_VISIBLE_DEVICES": "1"})
     assert env["PYTHONPATH"] == "/tmp/site-x" and env["HOME"] == str(tmp_path / "home")
@@ -353,6 +398,15 @@ def test_log_facts_name_workers_and_their_nodes_all_reduce_and_nccl_transports()
     assert facts["custom_allreduce_disabled"] == ["this process group spans across nodes"]
     assert facts["nccl_transports"] == ["NET/Socket/0"]
     assert facts["index_error"] == []
+
+
+def test_log_facts_read_vllm_0_33_0s_wording_of_the_custom_all_reduce_left_off_across_nodes():
+    # custom_all_reduce.py:233-234 of 0.33.0; 0.24.0 said "Custom allreduce is disabled because ...".
+    line = ("(RayWorkerProc pid=305, ip=10.231.1.2) (Worker_TP1 pid=305) WARNING 12-01 10:00:00 "
+            "[custom_all_reduce.py:232] Custom collectives are disabled because this multi-node group does not "
+            "have MNNVL-capable GPUs on every rank.\n")
+    assert cluster.log_facts(line)["custom_allreduce_disabled"] == [
+        "this multi-node group does not have MNNVL-capable GPUs on every rank"]
 
 
 def test_log_facts_find_the_index_error_of_the_control():
@@ -489,6 +543,44 @@ def test_runs_are_gathered_from_result_dirs_and_earlier_cluster_json_latest_firs
     assert runs["mp-tp2"]["finished_at"] == "2026-12-01T10:00:00Z" and "vs_reference" not in runs["mp-tp2"]
 
 
+def test_compare_names_the_base_and_refuses_runs_of_two_bases(tmp_path, capsys):
+    base_33 = {name: {**_run(name), "vllm": "0.33.0"} for name in ("mp-tp2", "ray1-tp2")}
+    doc = cluster.compare_runs(base_33)
+    assert doc["vllm"] == "0.33.0" and cluster.markdown(doc).startswith("# Stock vLLM 0.33.0 vs the overlay")
+    assert "NVLink multicast" in cluster.markdown(doc)
+    # Records of the 0.24.0 call carry no base: a comparison with them says so ...
+    assert cluster.markdown(cluster.compare_runs({"mp-tp2": _run("mp-tp2")})).startswith(
+        "# Stock vLLM (base not recorded) vs")
+    # ... and never sets one base's run against another's reference.
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "mp-tp2.json").write_text(json.dumps({**_run("mp-tp2"), "vllm": "0.24.0"}))
+    (tmp_path / "b" / "ray1-tp2.json").write_text(json.dumps(base_33["ray1-tp2"]))
+    assert cluster.main(["compare", "--out", str(tmp_path / "out"), str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "more than one vLLM base" in capsys.readouterr().err
+    (tmp_path / "b" / "mp-tp2.json").write_text(json.dumps(base_33["mp-tp2"]))
+    assert cluster.main(["compare", "--out", str(tmp_path / "out"), str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "mp-tp2 was run on vLLM 0.24.0 and on 0.33.0" in capsys.readouterr().err
+
+
+def test_run_refuses_a_base_other_than_the_sites_before_starting_anything(tmp_path, capsys):
+    stock = fake_site(tmp_path / "stock", "0.33.0")
+    overlay = fake_site(tmp_path / "overlay", "0.33.0")
+    common = ["run", "--layouts", "mp-tp2", "--model", "m", "--stock-site", str(stock), "--overlay-site",
+              str(overlay), "--out", str(tmp_path / "out")]
+    assert cluster.main([*common, "--vllm", "0.24.0"]) == 2
+    assert "--vllm 0.24.0, but vLLM 0.33.0 is installed" in capsys.readouterr().err
+    fake_site(tmp_path / "overlay2", "0.24.0")
+    assert cluster.main([*common[:-4], "--overlay-site", str(tmp_path / "overlay2"), "--out", str(tmp_path / "o")]) == 2
+    assert "one base per run" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
+
+
+def test_a_wave_is_given_the_time_a_cold_start_needs_by_default():
+    args = cluster.parse_args(["run", "--layouts", "mp-tp2", "--model", "m", "--stock-site", "s",
+                               "--overlay-site", "o", "--out", "d"])
+    assert args.timeout == 470 and args.vllm is None
+
+
 def test_compare_writes_json_and_markdown_and_refuses_an_empty_input(tmp_path, capsys):
     (tmp_path / "in").mkdir()
     assert cluster.main(["compare", "--out", str(tmp_path / "out"), str(tmp_path / "in")]) == 2
@@ -514,6 +606,8 @@ def test_plan_prints_every_command_without_starting_anything(capsys):
     assert "ip netns add dsa-rc0" in out and "ip netns add dsa-rc1" in out
     assert "ip netns exec dsa-rc1 unshare --uts -- sh -c" in out
     assert "vllm serve MODEL --tensor-parallel-size 2 --pipeline-parallel-size 1 --distributed-executor-backend mp" in out
+    assert "--distributed-executor-backend ray --compilation-config '{\"pass_config\": {\"fuse_allreduce_rms\": false}}'" in out
+    assert "VLLM_FLASHINFER_ALLREDUCE_BACKEND=auto" in out and "VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm" in out
 
 
 def test_the_command_line_refuses_a_wrong_layout_with_exit_2(capsys):
@@ -693,7 +787,19 @@ def _free_port_base(count: int = 40) -> int:
     raise RuntimeError("no free port range in 28000-32000")
 
 
-def run_fake_call(tmp_path, monkeypatch, layouts: str, probes: dict, ray_root: Path | None = None) -> tuple[int, Path]:
+def fake_site(path: Path, vllm: str) -> Path:
+    """A site holding vLLM `vllm` as far as importlib.metadata can tell (the harness reads the base
+    from it)."""
+    info = path / f"vllm-{vllm}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {vllm}\n")
+    return path
+
+
+def run_fake_call(tmp_path, monkeypatch, layouts: str, probes: dict, ray_root: Path | None = None,
+                  extra: tuple[str, ...] = (), sites: tuple[str, str] = ("0.33.0", "0.33.0")) -> tuple[int, Path]:
+    fake_site(tmp_path / "site-stock", sites[0])
+    fake_site(tmp_path / "site-overlay", sites[1])
     fake = tmp_path / "fakepy"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
@@ -709,7 +815,7 @@ def run_fake_call(tmp_path, monkeypatch, layouts: str, probes: dict, ray_root: P
         "run", "--layouts", layouts, "--model", str(model), "--stock-site", str(tmp_path / "site-stock"),
         "--overlay-site", str(tmp_path / "site-overlay"), "--out", str(out), "--work-dir", str(tmp_path / "work"),
         "--python", str(fake), "--ray-root", str(ray_root or tmp_path / "rc"), "--deadline-s", "150",
-        "--timeout", "40", "--min-wave-s", "20", "--port-base", str(_free_port_base())])
+        "--timeout", "40", "--min-wave-s", "20", "--port-base", str(_free_port_base()), *extra])
     return code, out
 
 
@@ -739,3 +845,13 @@ def test_a_whole_call_serves_compares_records_and_leaves_nothing_running(tmp_pat
     assert cluster.main(["compare", "--out", str(out), str(out)]) == 1  # the not-run record fails it
     doc = json.loads((out / "cluster.json").read_text())
     assert doc["runs"]["ray1-tp2"]["vs_reference"]["identical_tokens"] is True
+    # The base the sites hold is every run's label, and the comparison's title.
+    assert {run["vllm"] for run in runs.values()} == {"0.33.0"} and doc["vllm"] == "0.33.0"
+    assert (out / "cluster.md").read_text().startswith("# Stock vLLM 0.33.0 vs the overlay")
+    # One FlashInfer JIT cache per build for every server of the call; the all-reduce guard.
+    envs = {(name, build): runs[name]["builds"][build]["server_env"]
+            for name in ("mp-tp2", "ray1-tp2", "ray2-pp2-shared") for build in cluster.BUILDS}
+    for build in cluster.BUILDS:
+        assert {env["FLASHINFER_WORKSPACE_BASE"] for (_, b), env in envs.items() if b == build} == {
+            str(tmp_path / "work" / f"flashinfer-{build}")}
+    assert {env["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] for env in envs.values()} == {"trtllm"}

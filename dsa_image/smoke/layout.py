@@ -2,15 +2,28 @@
 pipeline parallel) and with which executor (multiprocessing or Ray); whether that many GPUs
 are visible before anything starts; and what the server log says ran.
 
-vLLM 0.24.0 logs, in each worker (in-process on one GPU, `(Worker_TP1 pid=...)` under mp,
-`(RayWorkerProc pid=...)` under Ray), `rank R in world size W is assigned as DP rank d, PP
-rank p, PCP rank c, TP rank t, ...` (distributed/parallel_state.py); with the Ray executor
-its `initialize_ray_cluster` (v1/executor/ray_utils.py) logs `No current placement group
-found. Creating a new placement group.` or `Using the existing placement group`. There,
-without RAY_ADDRESS, `ray.init()` joins the cluster a `ray start` on this machine recorded
-(/tmp/ray/ray_current_cluster) or else starts a local Ray instance in the engine process
-(Ray logs `Started a local Ray instance.` or `Connecting to existing Ray cluster at address:
-A...`).
+What vLLM logs of its ranks (vLLM 0.24.0 and 0.33.0 alike, distributed/parallel_state.py):
+every rank logs `world_size=W rank=R local_rank=L distributed_init_method=... backend=...`
+(a plain `logger.info`: 0.33.0 :1929, 0.24.0 :1588), but only the first rank of each node logs
+`rank R in world size W is assigned as DP rank d, PP rank p, PCP rank c, TP rank t, ...`
+(`logger.info_once`, 0.33.0 :2385, 0.24.0 :1923, whose default scope "local" keeps the records of
+local rank 0 only: logger.py `info_once` (0.33.0 :171, 0.24.0 :127) and `_should_log_with_scope`,
+parallel_state.py `is_local_first_rank`). So TP=2 on one host logs the assignment of rank 0
+alone; the ranks are counted from both lines. A worker's vLLM lines carry its name,
+`(Worker_PP1_TP0 pid=...)` (multiproc_executor.py `setup_proc_title_and_log_prefix`, 0.33.0
+:1196-1229: `_PP`/`_TP` only for a degree above 1; `(Worker pid=...)` before its groups exist,
+which is when it logs the two rank lines): in 0.33.0 as part of vLLM's log format (logger.py
+:28-32, `(%(vllm_process_name)s pid=%(process)d)`; lines not written by vLLM's loggers carry
+none), in 0.24.0 as a prefix written to the process's stdout and stderr (utils/system_utils.py
+:237-253 `decorate_logs`). Under Ray, Ray puts its own `(RayWorkerProc pid=...)` (with
+`, ip=...` for a worker on another node) in front of each line it forwards to the driver.
+
+With the Ray executor vLLM's `initialize_ray_cluster` (v1/executor/ray_utils.py) logs `No
+current placement group found. Creating a new placement group.` or `Using the existing
+placement group`. There, without RAY_ADDRESS, `ray.init()` joins the cluster a `ray start` on
+this machine recorded (/tmp/ray/ray_current_cluster) or else starts a local Ray instance in the
+engine process (Ray logs `Started a local Ray instance.` or `Connecting to existing Ray cluster
+at address: A...`).
 
 Stdlib only.
 """
@@ -40,6 +53,12 @@ UNCOUNTED_FLAGS = ("--data-parallel-size", "-dp", "--prefill-context-parallel-si
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 RANK_LOG = re.compile(r"rank (\d+) in world size (\d+) is assigned as DP rank (\d+), PP rank (\d+), "
                       r"PCP rank (\d+), TP rank (\d+)")
+# Logged by every rank as it joins the world group (see the module's help); the assignment above
+# by each node's first rank only.
+RANK_INIT_LOG = re.compile(r"world_size=(\d+) rank=(\d+) local_rank=(-?\d+) distributed_init_method=\S+ backend=")
+# A worker's name in vLLM's prefix once its parallel groups exist: Worker, then _DP/_PP/_PCP/_TP/
+# _DCP/_EP and the rank in each group of more than one rank ("Worker" alone before that).
+WORKER_NAME = re.compile(r"\(Worker((?:_[A-Z]+\d+)+) pid=\d+\)")
 RAY_PLACEMENT_LOGS = ("Creating a new placement group", "Using the existing placement group")
 RAY_LOCAL_LOG = "Started a local Ray instance"
 RAY_JOIN_LOG = re.compile(r"Connecting to existing Ray cluster at address: (\S+?)\.\.\.")
@@ -264,13 +283,30 @@ def _clean(log: str) -> str:
 
 
 def logged_ranks(log: str) -> list[dict]:
-    """Each rank's assignment as vLLM logged it, once per (world size, rank, DP rank)."""
+    """Each rank's assignment as vLLM logged it, once per (world size, rank, DP rank): the first
+    rank of each node only (see the module's help)."""
     seen = {}
     for match in RANK_LOG.finditer(_clean(log)):
         rank, world, dp, pp, pcp, tp = map(int, match.groups())
         seen[(world, dp, rank)] = {"rank": rank, "world_size": world, "dp_rank": dp, "pp_rank": pp,
                                    "pcp_rank": pcp, "tp_rank": tp}
     return [seen[key] for key in sorted(seen)]
+
+
+def started_ranks(log: str) -> list[dict]:
+    """Every rank that joined vLLM's world group, as it logged it: {rank, world_size, local_rank}."""
+    seen = {}
+    for match in RANK_INIT_LOG.finditer(_clean(log)):
+        world, rank, local = map(int, match.groups())
+        seen[(world, rank)] = {"rank": rank, "world_size": world, "local_rank": local}
+    return [seen[key] for key in sorted(seen)]
+
+
+def worker_names(log: str) -> list[dict]:
+    """The parallel ranks in the workers' names (`Worker_PP1_TP0` -> {"PP": 1, "TP": 0}), each once."""
+    names = {match.group(1) for match in WORKER_NAME.finditer(_clean(log))}
+    return [{part.rstrip("0123456789"): int(part[len(part.rstrip("0123456789")):])
+             for part in name.strip("_").split("_")} for name in sorted(names)]
 
 
 def ray_from_log(log: str) -> dict:
@@ -293,7 +329,8 @@ def entrypoint_serve_argv(log: str) -> list[str] | None:
 
 def logged_layout(log: str, layout: Layout) -> dict:
     """The report's `parallel` fields read from the log."""
-    found = {"ranks_logged": logged_ranks(log)}
+    found = {"ranks_logged": logged_ranks(log), "ranks_started": started_ranks(log),
+             "worker_names": worker_names(log)}
     if layout.backend == "ray":
         found["ray_log"] = ray_from_log(log)
     argv = entrypoint_serve_argv(log)
@@ -305,23 +342,42 @@ def logged_layout(log: str, layout: Layout) -> dict:
 def layout_problems(log: str, layout: Layout, gpus_used: dict | None) -> list[str]:
     """Every way the log and the GPUs held disagree with `layout` (empty: it ran as asked)."""
     problems = []
-    world = layout.world_size
-    ranks = logged_ranks(log)
-    worlds = sorted({r["world_size"] for r in ranks})
-    if not ranks:
-        problems.append(f"the log names no rank (vLLM's 'rank R in world size W is assigned as ...'); "
-                        f"expected ranks 0-{world - 1} of world size {world}")
+    world, tp_size, pp_size = layout.world_size, layout.tensor_parallel_size, layout.pipeline_parallel_size
+    assigned, started = logged_ranks(log), started_ranks(log)
+    worlds = sorted({r["world_size"] for r in assigned + started})
+    if not worlds:
+        problems.append(f"the log names no rank (vLLM's 'rank R in world size W is assigned as ...' or "
+                        f"'world_size=W rank=R ...'); expected ranks 0-{world - 1} of world size {world}")
     elif worlds != [world]:
         problems.append(f"world size: expected {world} (tensor x pipeline parallel), the log says "
                         f"{', '.join(map(str, worlds))}")
     else:
-        missing = sorted(set(range(world)) - {r["rank"] for r in ranks})
+        # A rank counts when it logged either line: vLLM logs the assignment of each node's
+        # first rank only, so TP=2 on one host names rank 1 in the world-group line alone.
+        missing = sorted(set(range(world)) - {r["rank"] for r in assigned + started})
         if missing:
             problems.append(f"ranks {missing} of world size {world} never logged their assignment")
-        for what, size in (("tp_rank", layout.tensor_parallel_size), ("pp_rank", layout.pipeline_parallel_size)):
-            found = sorted({r[what] for r in ranks})
-            if found != list(range(size)):
+        if not assigned:
+            problems.append("no rank logged its TP/PP assignment ('rank R in world size W is assigned as ...'; "
+                            "vLLM logs it for the first rank of each node)")
+        for what, size in (("tp_rank", tp_size), ("pp_rank", pp_size)):
+            found = sorted({r[what] for r in assigned})
+            if not set(found) <= set(range(size)):
                 problems.append(f"{what.replace('_', ' ').upper()}s: expected 0-{size - 1}, the log names {found}")
+        # vLLM orders ranks TP first, then PCP, then PP (parallel_state.py initialize_model_parallel:
+        # arange(world_size).reshape(-1, DP, PP, PCP, TP)); the smoke refuses DP and PCP sizes.
+        for r in assigned:
+            want = (r["rank"] % tp_size, r["rank"] // tp_size % pp_size)
+            if (r["tp_rank"], r["pp_rank"]) != want and r["rank"] < world:
+                problems.append(f"rank {r['rank']} logged TP rank {r['tp_rank']}, PP rank {r['pp_rank']}; "
+                                f"TP {tp_size} x PP {pp_size} puts it at TP rank {want[0]}, PP rank {want[1]}")
+        # The workers' names tell the degrees apart where only rank 0 logged its assignment (TP=2
+        # and PP=2 both put rank 0 at TP 0, PP 0).
+        for name in worker_names(log):
+            for key, size in (("TP", tp_size), ("PP", pp_size)):
+                if key in name and name[key] >= size:
+                    problems.append(f"a worker named {key} rank {name[key]} ({name}); expected {key} ranks "
+                                    f"0-{size - 1}")
     placed_by_ray = ray_from_log(log)["placement_group_logged"]
     if layout.backend == "ray" and not placed_by_ray:
         problems.append("--distributed-executor-backend ray, but the log shows no Ray placement group "
@@ -373,5 +429,7 @@ def summary(parallel: dict) -> str:
         parts.append(f"GPUs used: unknown ({used['error']})")
     ranks = parallel.get("ranks_logged")
     if ranks is not None:
-        parts.append(f"ranks logged: {', '.join(str(r['rank']) for r in ranks) or 'none'}")
+        # Either line counts (the assignment is logged by each node's first rank only).
+        logged = sorted({r["rank"] for r in ranks + (parallel.get("ranks_started") or [])})
+        parts.append(f"ranks logged: {', '.join(map(str, logged)) or 'none'}")
     return "; ".join(parts)

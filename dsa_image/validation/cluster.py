@@ -1,5 +1,6 @@
 """Stock vLLM against the overlay across two GPUs: TP=2 (multiprocessing, one Ray node, two Ray
-nodes) and PP=2 across two Ray nodes, default flags (CUDA graphs on), tokens compared.
+nodes) and PP=2 across two Ray nodes, default flags (CUDA graphs on) but for the all-reduce guard
+below, tokens compared.
 
 Layouts (LAYOUTS): `mp-tp2` and `mp-pp2` (vLLM's multiprocessing executor), `ray1-tp2` (one Ray
 node with both GPUs), `ray2-tp2` and `ray2-pp2` (two Ray nodes of one GPU each). Each layout is
@@ -7,10 +8,10 @@ served by stock vLLM and by the overlay side by side, on the same GPUs, each bui
 Ray cluster (started with that build's PYTHONPATH: Ray workers inherit the environment of
 `ray start`), own ports, own Ray temp dir and HOME.
 
-Two Ray nodes on one host are made two nodes the way vLLM 0.24.0 tells nodes apart (docs/cluster.md,
-"Two Ray nodes on one host"): vLLM maps GPUs per Ray node, but decides "same node" for its custom
-all-reduce by whether the ranks share POSIX shared memory, and NCCL by hostname. The second
-node therefore gets (ISOLATION, first that the probe finds working):
+Two Ray nodes on one host are made two nodes the way vLLM tells nodes apart, 0.24.0 and 0.33.0
+alike (docs/cluster.md, "Two Ray nodes on one host"): vLLM maps GPUs per Ray node, but decides
+"same node" for its custom all-reduce by whether the ranks share POSIX shared memory, and NCCL by
+hostname. The second node therefore gets (ISOLATION, first that the probe finds working):
 
     netns    its own network namespace (veth pair, own address), mount namespace (own /dev/shm,
              own Ray temp dir) and UTS namespace (own hostname)
@@ -19,13 +20,19 @@ node therefore gets (ISOLATION, first that the probe finds working):
              `IndexError: device_id 1 is out of range for assigned_physical_gpu_ids [0]`; a
              TP=2 run there is a control, expected to reproduce that error
 
+The base (the vLLM release both sites hold, which `--vllm` asserts) is recorded in every run, and
+`compare` refuses runs of different bases. Every server and Ray node gets an environment that
+keeps FlashInfer's all-reduce off NVLink multicast (ALLREDUCE_GUARD: vLLM 0.33.0 would otherwise
+ask FlashInfer for an MNNVL workspace, which calls cuMulticastCreate, for any TP group on one host;
+0.24.0 for a TP group across two nodes).
+
 A layout list is waves separated by spaces or commas; `+` runs layouts in one wave at once;
 `LAYOUT@METHOD` forces an isolation method (e.g. `ray2-tp2@shared`, the control).
 
     python -m dsa_image.validation.cluster probe
     python -m dsa_image.validation.cluster plan --layouts "ray2-tp2 ray2-pp2" [--method netns]
     python -m dsa_image.validation.cluster run --layouts "mp-tp2 ray1-tp2" --model DIR \\
-        --stock-site S --overlay-site O --out DIR [--deadline-s 540]
+        --stock-site S --overlay-site O --out DIR [--vllm 0.33.0] [--deadline-s 540]
     python -m dsa_image.validation.cluster compare --out DIR INPUT...
     python -m dsa_image.validation.cluster cleanup
 
@@ -56,6 +63,8 @@ from pathlib import Path
 
 from dsa_image.smoke import gpu as smoke_gpu
 from dsa_image.validation import serving, serving_modes
+from dsa_image.validation.b12x_base import choose as choose_base
+from dsa_image.validation.b12x_base import site_vllm
 from dsa_image.validation.recipes import port_accepts
 
 # -- layouts ------------------------------------------------------------------------------------
@@ -156,7 +165,11 @@ def _parse_run(item: str) -> RunSpec:
 
 def expected_outcome(layout: Layout, method: str | None) -> str:
     """'serve', or 'index-error' for the control: TP across two Ray nodes that share /dev/shm
-    makes vLLM 0.24.0's custom all-reduce index the peer's GPU in a one-GPU map."""
+    makes vLLM's custom all-reduce index the peer's GPU in a one-GPU map. 0.33.0 as 0.24.0:
+    `same_node` from shared memory (device_communicators/custom_all_reduce.py:201), then
+    `_can_p2p` (:279-281, :86-100) maps the peer's local rank through the node's list
+    (platforms/interface.py:296-303), which raises `IndexError: device_id 1 is out of range for
+    assigned_physical_gpu_ids [0] (1 devices assigned)` (0.33.0 adds the part in brackets)."""
     if layout.ray_nodes == 2 and layout.tp > 1 and method == "shared":
         return "index-error"
     return "serve"
@@ -243,7 +256,7 @@ def choose_method(probes: dict[str, dict], order=DEFAULT_METHOD_ORDER) -> str:
     found = "; ".join(f"{m}: {probes.get(m, {}).get('detail', 'not probed')}" for m in order)
     raise Refused(f"no way to give the second Ray node its own /dev/shm and hostname here (tried "
                   f"{', '.join(order)}: {found}). These need root with CAP_SYS_ADMIN (and CAP_NET_ADMIN for "
-                  f"netns). Without them vLLM 0.24.0 takes both Ray nodes for one node; run the control "
+                  f"netns). Without them vLLM (0.24.0 and 0.33.0) takes both Ray nodes for one node; run the control "
                   f"LAYOUT@shared to show the failure, or give the runs a privileged machine")
 
 
@@ -415,6 +428,61 @@ def node_command(python: str, plan: ClusterPlan, node: NodePlan) -> list[str]:
     return ["unshare", "--mount", "--uts", "--propagation", "private", "--", *isolate]
 
 
+# FlashInfer's all-reduce, which no variable of SAFETY_ENV reaches: its MNNVL workspace calls
+# cuMulticastCreate itself (flashinfer-python 0.7.2.post1 comm/mnnvl.py:1117, through
+# McastGPUBuffer; 0.6.12, vLLM 0.24.0's, comm/mnnvl.py:1216). vLLM's automatic choice
+# (VLLM_FLASHINFER_ALLREDUCE_BACKEND=auto) takes it
+#   - in 0.33.0 for a TP group on one node (distributed/device_communicators/flashinfer_all_reduce.py
+#     :156-163, "MNNVL decodes faster ... on single-node NVSwitch systems"), asked for by GLM-5's own
+#     layers whatever VLLM_ALLREDUCE_USE_FLASHINFER says (models/deepseek_v32/nvidia/model.py:144,
+#     158, 319 -> models/common/ops/fused_allreduce_rms_norm.py -> model_executor/layers/
+#     fused_allreduce_gemma_rms_norm.py:91 get_fi_ar_workspace), by the standalone all-reduce
+#     (VLLM_ALLREDUCE_USE_FLASHINFER, default 1 in 0.33.0: envs.py:1961-1963) and by the
+#     all-reduce + RMSNorm fusion pass (on by default on sm90 with TP > 1: config/vllm.py:179-203);
+#   - in 0.24.0 for a group vLLM counts as two nodes (flashinfer_all_reduce.py:101-104), through
+#     that fusion pass (compilation/passes/fusion/allreduce_rms_fusion.py:988).
+# vLLM counts nodes by shared memory (parallel_state.py _node_count / in_the_same_node_as), so:
+#   - one node (mp, one Ray node, two Ray nodes sharing /dev/shm): the TRT-LLM backend, whose
+#     workspace is IPC memory with multicast off (flashinfer 0.7.2.post1 comm/trtllm_ar.py:512-520,
+#     enable_multicast=False) and which is 0.24.0's own choice for one node (:105-110);
+#   - two nodes: "trtllm" would refuse the group (ValueError: 0.33.0 flashinfer_all_reduce.py:203-207,
+#     0.24.0 :137-141), so "auto", under which 0.33.0 picks no FlashInfer backend on a GPU below
+#     sm_100 (:164-174); and FlashInfer's standalone all-reduce and vLLM's fusion pass off, so
+#     that 0.24.0's "auto" (MNNVL for two nodes) is never asked.
+ONE_NODE_ALLREDUCE_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"}
+TWO_NODE_ALLREDUCE_ENV = {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "auto", "VLLM_ALLREDUCE_USE_FLASHINFER": "0"}
+TWO_NODE_ALLREDUCE_ARGS = ["--compilation-config", json.dumps({"pass_config": {"fuse_allreduce_rms": False}})]
+# What a server's log says FlashInfer's all-reduce did (both releases log the first; 0.33.0 the
+# second when MNNVL was tried and failed): the evidence that multicast was not used.
+FI_AR_WORKSPACE = re.compile(r"Initialized FlashInfer Allreduce norm (?:quantization )?fusion workspace "
+                             r"with backend=(\w+)")
+FI_AR_MNNVL_TRIED = re.compile(r"FlashInfer mnnvl allreduce (?:quantization fusion )?workspace unavailable")
+
+
+def vllm_node_count(plan: ClusterPlan | None) -> int:
+    """How many nodes vLLM counts for the layout's ranks: two only for two Ray nodes that do not
+    share /dev/shm (vLLM's same-node test is shared memory)."""
+    return 2 if plan is not None and plan.worker is not None and plan.method in FAITHFUL else 1
+
+
+def allreduce_env(plan: ClusterPlan | None) -> dict[str, str]:
+    """ALLREDUCE_GUARD's variables for every process of a layout: its server, Ray nodes and
+    (through them) Ray workers, which keep a node's own value over the driver's
+    (v1/executor/ray_executor_v2.py:173-175)."""
+    return dict(TWO_NODE_ALLREDUCE_ENV if vllm_node_count(plan) == 2 else ONE_NODE_ALLREDUCE_ENV)
+
+
+def allreduce_args(layout: Layout, plan: ClusterPlan | None) -> list[str]:
+    """ALLREDUCE_GUARD's `vllm serve` flags: the fusion pass off where TP spans two nodes (with
+    TP = 1 the pass turns itself off: allreduce_rms_fusion.py:989-991)."""
+    return list(TWO_NODE_ALLREDUCE_ARGS) if vllm_node_count(plan) == 2 and layout.tp > 1 else []
+
+
+ALLREDUCE_GUARD = ("FlashInfer's all-reduce kept off NVLink multicast: VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm "
+                   "where vLLM counts one node; where it counts two, 'auto' (no FlashInfer backend below sm_100 "
+                   "in 0.33.0), VLLM_ALLREDUCE_USE_FLASHINFER=0 and the all-reduce + RMSNorm fusion pass off")
+
+
 def _two_node_env(node: NodePlan) -> dict[str, str]:
     # What docs/cluster.md asks of every node of a real cluster: its own address, and the
     # interface NCCL and gloo bootstrap over.
@@ -422,8 +490,8 @@ def _two_node_env(node: NodePlan) -> dict[str, str]:
 
 
 def node_env_extra(plan: ClusterPlan, node: NodePlan, tag: str) -> dict[str, str]:
-    env = {**SAFETY_ENV, **DIAGNOSTIC_ENV, "CUDA_VISIBLE_DEVICES": node.gpus, "RAY_USAGE_STATS_ENABLED": "0",
-           TAG_VAR: tag, NODE_VAR: node.name}
+    env = {**SAFETY_ENV, **allreduce_env(plan), **DIAGNOSTIC_ENV, "CUDA_VISIBLE_DEVICES": node.gpus,
+           "RAY_USAGE_STATS_ENABLED": "0", TAG_VAR: tag, NODE_VAR: node.name}
     if plan.worker is not None:
         env.update(_two_node_env(node))
     return env
@@ -432,7 +500,7 @@ def node_env_extra(plan: ClusterPlan, node: NodePlan, tag: str) -> dict[str, str
 def server_env_extra(layout: Layout, plan: ClusterPlan | None, tag: str) -> dict[str, str]:
     """The `vllm serve` process's variables. With Ray it runs on the head node (as in
     `docker exec HEAD vllm serve`), sees the head's GPUs, and finds its cluster by RAY_ADDRESS."""
-    env = {**SAFETY_ENV, **DIAGNOSTIC_ENV, TAG_VAR: tag, NODE_VAR: "server"}
+    env = {**SAFETY_ENV, **allreduce_env(plan), **DIAGNOSTIC_ENV, TAG_VAR: tag, NODE_VAR: "server"}
     if plan is None:
         env["CUDA_VISIBLE_DEVICES"] = "0,1"
         return env
@@ -691,7 +759,11 @@ def placement_problems(rows: list[dict], plan: ClusterPlan | None, layout: Layou
 
 WORKER_LINE = re.compile(r"\((?P<proc>[A-Za-z_][\w.-]*) pid=(?P<pid>\d+)(?:, ip=(?P<ip>[\d.]+))?\)")
 ALL_REDUCE = re.compile(r"Using (\[[^\]]*\]) all-reduce backends \(in dispatch order\) for group '([^']+)'")
-CUSTOM_AR_OFF = re.compile(r"Custom allreduce is disabled because ([^.\n]*)")
+# 0.24.0: "Custom allreduce is disabled because this process group spans across nodes."; 0.33.0
+# words the multi-node cases "Custom collectives are disabled because this multi-node group does
+# not have MNNVL-capable GPUs on every rank." (device_communicators/custom_all_reduce.py:233-234,
+# :351-352) and keeps the older wording for the others (:190, :269, :284).
+CUSTOM_AR_OFF = re.compile(r"Custom (?:allreduce is|collectives are) disabled because ([^.\n]*)")
 NCCL_CHANNEL = re.compile(r"Channel \d+/\d+ : .*? via (\S+)")
 
 
@@ -704,6 +776,8 @@ def log_facts(text: str) -> dict:
         "custom_allreduce_disabled": sorted(set(CUSTOM_AR_OFF.findall(text))),
         "nccl_transports": sorted(set(NCCL_CHANNEL.findall(text))),
         "index_error": sorted(set(INDEX_ERROR.findall(text))),
+        "flashinfer_allreduce_workspaces": sorted(set(FI_AR_WORKSPACE.findall(text))),
+        "flashinfer_mnnvl_tried": bool(FI_AR_MNNVL_TRIED.search(text)),
         "errors": serving.log_errors(text)[:10],
     }
 
@@ -774,8 +848,8 @@ class Wave:
     """The runs of one wave, each served by every build: their clusters, servers, and findings."""
 
     def __init__(self, runs: list[RunSpec], methods: dict[str, str | None], probes: dict, args,
-                 first_slot: int, first_port: int, call_id: str):
-        self.runs, self.probes, self.args, self.call_id = runs, probes, args, call_id
+                 first_slot: int, first_port: int, call_id: str, base: str | None = None):
+        self.runs, self.probes, self.args, self.call_id, self.base = runs, probes, args, call_id, base
         self.first_port = first_port
         self.entries = []  # one per (run, build)
         slot = first_slot
@@ -796,6 +870,18 @@ class Wave:
     def home(self, entry: dict, who: str) -> str:
         # Kept across calls: DeepGEMM's and Triton's caches make a second start faster.
         return str(Path(self.args.work_dir) / f"{entry['spec'].stem}-{entry['build']}-{who}")
+
+    def shared_caches(self, entry: dict) -> dict[str, str]:
+        """FlashInfer's JIT cache, one per build for every server and Ray node of the call (and of
+        later calls: it lives in the work dir). A cold vLLM 0.33.0 server spends about 100 s
+        compiling FlashInfer's sampling module (docs/validation/h200-2026-11-30-vllm0_33_0-run2,
+        "Start-up time found"); with a HOME each, every Ray node of every layout compiled it
+        again, at once. FlashInfer builds a module under a file lock in that cache
+        (flashinfer/jit/core.py:573, lock in FLASHINFER_JIT_DIR/tmp) and loads what another
+        process built. Per build: the ninja files name the site's own include paths. FlashInfer's
+        autotune cache moves with it (flashinfer/autotune_cache.py:167; written by atomic rename,
+        :243-248): a build's servers may reuse each other's kernel choices, never another build's."""
+        return {"FLASHINFER_WORKSPACE_BASE": str(Path(self.args.work_dir) / f"flashinfer-{entry['build']}")}
 
     def tag(self, entry: dict) -> str:
         """DSA_CLUSTER_TAG of the entry's server, Ray nodes and every process they start."""
@@ -836,7 +922,8 @@ class Wave:
 
     def _start_node(self, entry: dict, node: NodePlan) -> None:
         plan = entry["plan"]
-        env = serving.server_env(entry["site"], self.home(entry, node.name), node_env_extra(plan, node, self.tag(entry)))
+        env = serving.server_env(entry["site"], self.home(entry, node.name),
+                                 {**node_env_extra(plan, node, self.tag(entry)), **self.shared_caches(entry)})
         cmd = node_command(self.args.python, plan, node)
         log = entry["dir"] / f"ray-start-{node.name}.log"
         entry["report"].setdefault("node_commands", {})[node.name] = cmd
@@ -881,9 +968,10 @@ class Wave:
                 continue
             entry["dir"].mkdir(parents=True, exist_ok=True)
             layout = entry["spec"].layout
-            extra = [*layout.server_args(), "--kv-cache-memory-bytes", str(self.args.kv_cache_memory_bytes),
+            extra = [*layout.server_args(), *allreduce_args(layout, entry["plan"]),
+                     "--kv-cache-memory-bytes", str(self.args.kv_cache_memory_bytes),
                      "--gpu-memory-utilization", str(self.args.gpu_memory_utilization)]
-            env_extra = server_env_extra(layout, entry["plan"], self.tag(entry))
+            env_extra = {**server_env_extra(layout, entry["plan"], self.tag(entry)), **self.shared_caches(entry)}
             server = serving.start_server(f"{entry['spec'].stem}-{entry['build']}", entry["site"], self.args.model,
                                           port, str(entry["dir"]), extra,
                                           home=self.home(entry, "server"), python=self.args.python,
@@ -972,7 +1060,7 @@ class Wave:
             except OSError as exc:  # recorded: the verdicts of the other runs still get written
                 report["log_error"] = f"{type(exc).__name__}: {exc}"
             run = runs.setdefault(spec.name, run_header(spec, entry["method"], self.probes,
-                                                        [r.name for r in self.runs]))
+                                                        [r.name for r in self.runs], self.base))
             run["builds"][entry["build"]] = report
         for run in runs.values():
             run["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -995,17 +1083,18 @@ class Wave:
             report["log_tail"] = tail(log)
 
 
-def run_header(spec: RunSpec, method: str | None, probes: dict, wave: list[str]) -> dict:
-    return {"run": spec.name, "layout": asdict(spec.layout), "method": method,
+def run_header(spec: RunSpec, method: str | None, probes: dict, wave: list[str], base: str | None = None) -> dict:
+    # The base: results of 0.24.0 and 0.33.0 must never meet in one comparison (compare_call).
+    return {"run": spec.name, "vllm": base, "layout": asdict(spec.layout), "method": method,
             "method_description": ISOLATION.get(method) if method else None,
             "isolation_probe": probes if spec.layout.ray_nodes == 2 else None,
             "expected": expected_outcome(spec.layout, method), "reference": reference_for(spec.layout),
             "wave": wave, "prompt_lengths": list(PROMPT_LENGTHS), "max_tokens": MAX_TOKENS, "builds": {}}
 
 
-def not_run(spec: RunSpec, method: str | None, probes: dict, why: str) -> dict:
+def not_run(spec: RunSpec, method: str | None, probes: dict, why: str, base: str | None = None) -> dict:
     """The record of a run that was not started, and why: the comparison shows it as failed."""
-    return {**run_header(spec, method, probes, [spec.name]), "ok": False, "problems": [f"not run: {why}"],
+    return {**run_header(spec, method, probes, [spec.name], base), "ok": False, "problems": [f"not run: {why}"],
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -1027,6 +1116,12 @@ def build_problems(report: dict) -> list[str]:
     if results and (unanswered := serving.unanswered_outputs(results)):
         problems.append("no tokens generated: " + ", ".join(unanswered))
     problems += report.get("evidence_problems", [])
+    # ALLREDUCE_GUARD should make these impossible; a log that shows one says the guard failed
+    # (the workspace is made before the line is logged: this reports, it cannot prevent).
+    logged = report.get("logged", {})
+    if "mnnvl" in logged.get("flashinfer_allreduce_workspaces", []) or logged.get("flashinfer_mnnvl_tried"):
+        problems.append("FlashInfer's MNNVL all-reduce workspace (NVLink multicast) was created or tried: "
+                        "ALLREDUCE_GUARD did not hold")
     return problems
 
 
@@ -1081,7 +1176,9 @@ def compare_runs(runs: dict[str, dict]) -> dict:
                                            else {"identical_tokens": None, "why": "missing results"})
             vs_ref["identical_tokens"] = all(v.get("identical_tokens") for v in vs_ref["builds"].values())
         rows[name] = {**run, "vs_reference": vs_ref}
-    return {"ok": bool(rows) and all(r["ok"] for r in rows.values()), "runs": rows}
+    bases = sorted({str(run.get("vllm")) for run in runs.values()})
+    return {"ok": bool(rows) and all(r["ok"] for r in rows.values()),
+            "vllm": bases[0] if len(bases) == 1 and bases[0] != "None" else None, "runs": rows}
 
 
 def _cell(value) -> str:
@@ -1121,7 +1218,8 @@ def _build_lines(build: str, report: dict) -> list[str]:
     facts = [f"healthy after {healthy:.1f} s" if isinstance(healthy, float) else f"{healthy or report.get('error')}"]
     facts += [f"{label} {logged[key]}" for key, label in (
         ("all_reduce_backends", "all-reduce backends"), ("nccl_transports", "NCCL transports"),
-        ("custom_allreduce_disabled", "custom all-reduce off because")) if logged.get(key)]
+        ("custom_allreduce_disabled", "custom all-reduce off because"),
+        ("flashinfer_allreduce_workspaces", "FlashInfer all-reduce workspaces")) if logged.get(key)]
     lines = [f"- **{build}**: " + "; ".join(facts)]
     gpu = report.get("gpu_processes")
     if isinstance(gpu, str):
@@ -1140,11 +1238,13 @@ def _build_lines(build: str, report: dict) -> list[str]:
 
 def markdown(doc: dict) -> str:
     lines = [
-        "# Stock vLLM 0.24.0 vs the overlay across two H200s: TP=2 / PP=2, mp and Ray",
+        f"# Stock vLLM {doc.get('vllm') or '(base not recorded)'} vs the overlay across two H200s: "
+        "TP=2 / PP=2, mp and Ray",
         "",
         (f"Overall: **{'PASS' if doc['ok'] else 'FAIL'}** (PASS: every run went as expected). Prompts of "
          f"{', '.join(map(str, PROMPT_LENGTHS))} tokens, {MAX_TOKENS} greedy tokens each, one by one and as one "
-         "batch; default vLLM flags (CUDA graphs on) plus a fixed KV-cache size."),
+         "batch; default vLLM flags (CUDA graphs on) plus a fixed KV-cache size. "
+         f"{ALLREDUCE_GUARD} (dsa_image/validation/cluster.py)."),
         "",
         ("| run | isolation | expected | healthy stock / overlay | Ray nodes (stock) | stock = overlay | "
          "= mp reference | verdict |"),
@@ -1167,7 +1267,12 @@ def load_runs(inputs: list[str]) -> dict[str, dict]:
     runs: dict[str, dict] = {}
 
     def keep(run):
-        if run["run"] not in runs or run.get("finished_at", "") >= runs[run["run"]].get("finished_at", ""):
+        earlier = runs.get(run["run"])
+        if earlier is not None and earlier.get("vllm") != run.get("vllm"):
+            # Not "the later wins": that would hide a base mixed into the inputs (compare_call).
+            raise Refused(f"{run['run']} was run on vLLM {earlier.get('vllm') or '(not recorded)'} and on "
+                          f"{run.get('vllm') or '(not recorded)'}; compare one base at a time")
+        if earlier is None or run.get("finished_at", "") >= earlier.get("finished_at", ""):
             runs[run["run"]] = run
 
     for item in map(Path, inputs):
@@ -1211,8 +1316,18 @@ def resolve_methods(runs: list[RunSpec], probes: dict, order: tuple[str, ...]) -
     return methods
 
 
+def site_base(stock_site: str, overlay_site: str, requested: str | None) -> str:
+    """The vLLM release both sites hold (the base the results are labelled with); `requested`
+    (--vllm) must name it."""
+    try:
+        return choose_base(requested, {site_vllm(stock_site), site_vllm(overlay_site)})
+    except RuntimeError as exc:
+        raise Refused(f"the base: {exc} (--stock-site {stock_site}, --overlay-site {overlay_site})") from None
+
+
 def run_call(args) -> int:
     waves = parse_waves(args.layouts)
+    base = site_base(args.stock_site, args.overlay_site, args.vllm)
     deadline = time.monotonic() + args.deadline_s
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1224,21 +1339,24 @@ def run_call(args) -> int:
     all_runs = [spec for wave in waves for spec in wave]
     probes = probe_isolation() if any(spec.layout.ray_nodes == 2 for spec in all_runs) else {}
     methods = resolve_methods(all_runs, probes, tuple(args.methods.split(",")))
-    print(json.dumps({"isolation_probe": probes, "methods": {k: f"refused: {v}" if isinstance(v, Refused) else v
-                                                               for k, v in methods.items()}}, indent=1))
+    print(json.dumps({"vllm": base, "isolation_probe": probes,
+                      "methods": {k: f"refused: {v}" if isinstance(v, Refused) else v
+                                  for k, v in methods.items()}}, indent=1))
     call_id, slot, all_ok = uuid.uuid4().hex[:8], 0, True
     for wave_index, wave_runs in enumerate(waves):
-        records = {spec.name: not_run(spec, None, probes, str(methods[spec.name]))
+        records = {spec.name: not_run(spec, None, probes, str(methods[spec.name]), base)
                    for spec in wave_runs if isinstance(methods[spec.name], Refused)}
         runnable = [spec for spec in wave_runs if spec.name not in records]
         left = deadline - time.monotonic()
         if runnable and left < args.min_wave_s:
             records.update({spec.name: not_run(spec, methods[spec.name], probes,
                                                f"{left:.0f} s left of this call's {args.deadline_s:.0f} s, a wave needs "
-                                               f"{args.min_wave_s:.0f} s; run it in another call") for spec in runnable})
+                                               f"{args.min_wave_s:.0f} s; run it in another call", base)
+                            for spec in runnable})
             runnable = []
         if runnable:
-            wave = Wave(runnable, methods, probes, args, slot, args.port_base + PORTS_PER_WAVE * wave_index, call_id)
+            wave = Wave(runnable, methods, probes, args, slot, args.port_base + PORTS_PER_WAVE * wave_index, call_id,
+                        base)
             slot = wave.next_slot
             records.update(run_wave(wave, deadline, args))
         for spec in wave_runs:
@@ -1274,6 +1392,15 @@ def compare_call(args) -> int:
         print(f"nothing to compare: no run results in {args.inputs} (expected DIR/<run>.json from `run`, or "
               "cluster.json)", file=sys.stderr)
         return 2
+    bases = {run.get("vllm") for run in runs.values()}
+    if len(bases) > 1:
+        # A run is compared with the mp run of its degrees by name: across bases that would set
+        # one vLLM's tokens against another's.
+        named = ", ".join(f"{b or 'not recorded'}: {sorted(n for n, r in runs.items() if r.get('vllm') == b)}"
+                          for b in sorted(bases, key=str))
+        print(f"the inputs hold runs of more than one vLLM base ({named}); compare one base at a time",
+              file=sys.stderr)
+        return 2
     doc = compare_runs(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1304,8 +1431,9 @@ def plan_call(args) -> int:
                         print(f"  [{build} {node.name}] {' '.join(f'{k}={v}' for k, v in env.items())} \\\n"
                               f"      {shlex.join(node_command(args.python, plan, node))}")
                 env = server_env_extra(spec.layout, plan, "TAG")
+                args_ = [*spec.layout.server_args(), *allreduce_args(spec.layout, plan)]
                 print(f"  [{build} vllm serve] {' '.join(f'{k}={v}' for k, v in env.items())} \\\n"
-                      f"      vllm serve MODEL {' '.join(spec.layout.server_args())}")
+                      f"      vllm serve MODEL {shlex.join(args_)}")
     return 0
 
 
@@ -1329,6 +1457,8 @@ def parse_args(argv):
     run.add_argument("--model", required=True, help="the tiny GLM-5 (scripts/make_tiny_model.py)")
     run.add_argument("--stock-site", required=True)
     run.add_argument("--overlay-site", required=True)
+    run.add_argument("--vllm", help="the vLLM base: must be the one both sites hold (the default; recorded in "
+                                    "every run)")
     run.add_argument("--out", required=True)
     run.add_argument("--work-dir", default="/tmp/dsa-cluster-homes", help="servers' and nodes' HOMEs (kept)")
     run.add_argument("--python", default=sys.executable)
@@ -1337,7 +1467,12 @@ def parse_args(argv):
                      help="isolation methods to try, in order, for two-node runs without @METHOD")
     run.add_argument("--deadline-s", type=float, default=540, help="seconds this call may take in all")
     run.add_argument("--min-wave-s", type=float, default=200, help="a wave is not started with less left")
-    run.add_argument("--timeout", type=float, default=330, help="seconds for a wave's servers to become healthy")
+    # 330 s was short for a cold wave already on 0.24.0 (docs/validation/h200x2-2026-11-30-cluster: four
+    # servers, 228 s of torch.compile each, none healthy); the call that passed gave 470 s. A cold 0.33.0
+    # server took 270-281 s with three started together on one H200, about 100 s of it FlashInfer's
+    # sampling JIT (docs/validation/h200-2026-11-30-vllm0_33_0-run2). The call's deadline less a minute
+    # (run_wave) caps it either way.
+    run.add_argument("--timeout", type=float, default=470, help="seconds for a wave's servers to become healthy")
     run.add_argument("--port-base", type=int, default=8400)
     run.add_argument("--kv-cache-memory-bytes", type=int, default=2 << 30)
     run.add_argument("--gpu-memory-utilization", type=float, default=0.2,
