@@ -254,9 +254,10 @@ def check_backends(log: str, expected: Expected, gpu_problem: str | None) -> Che
 
 
 def check_parallel_layout(log: str, layout: Layout, gpus_used: dict | None) -> Check:
-    """The server ran the layout asked for: every rank of its world size logged its TP/PP
-    assignment, Ray placed the workers when asked for (and not otherwise), and its processes
-    hold that many GPUs (when nvidia-smi can tell)."""
+    """The server ran the layout asked for: every rank of its world size joined vLLM's world
+    group, the TP/PP assignments logged (each node's first rank) and the workers' names fit the
+    layout, Ray placed the workers when asked for (and not otherwise), and its processes hold
+    that many GPUs (when nvidia-smi can tell)."""
     def body():
         problems = layout_problems(log, layout, gpus_used)
         if problems:
