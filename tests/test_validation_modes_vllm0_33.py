@@ -32,6 +32,7 @@ from dsa_image.wheels import wheel_cache_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bench import fake_vllm_site, free_ports, tiny_model  # noqa: E402,F401 (tiny_model: a fixture)
+from test_b12x_validation_bases import fake_site  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RUN2 = REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run2"
@@ -147,24 +148,17 @@ def test_no_record_no_judgement():
 # -- which base ----------------------------------------------------------------------------------
 
 
-def _site(path: Path, version: str | None) -> str:
-    path.mkdir(parents=True)
-    if version:
-        dist = path / f"vllm-{version}.dist-info"
-        dist.mkdir()
-        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
-    return str(path)
 
 
 def test_the_base_is_the_sites_vllm_which_vllm_must_name(tmp_path):
-    a, b = _site(tmp_path / "a", "0.33.0"), _site(tmp_path / "b", "0.33.0")
+    a, b = fake_site(tmp_path / "a", "0.33.0"), fake_site(tmp_path / "b", "0.33.0")
     assert serving_modes.resolve_base(None, [a, b]) == "0.33.0"
     assert serving_modes.resolve_base("0.33.0", [a, b]) == "0.33.0"
-    with pytest.raises(SystemExit, match="--vllm 0.24.0, but the sites hold vLLM 0.33.0"):
+    with pytest.raises(SystemExit, match="--vllm 0.24.0, but vLLM 0.33.0 is installed"):
         serving_modes.resolve_base("0.24.0", [a, b])
-    with pytest.raises(SystemExit, match="must be one base"):
-        serving_modes.resolve_base(None, [a, _site(tmp_path / "c", "0.24.0")])
-    bare = _site(tmp_path / "bare", None)
+    with pytest.raises(SystemExit, match="one base per run"):
+        serving_modes.resolve_base(None, [a, fake_site(tmp_path / "c", "0.24.0")])
+    bare = fake_site(tmp_path / "bare", None)
     assert serving_modes.resolve_base(None, [bare]) is None
     assert serving_modes.resolve_base("0.33.0", [bare]) == "0.33.0"
 

@@ -52,6 +52,7 @@ from typing import Callable
 
 from dsa_image.dist_info import installed_versions
 from dsa_image.validation import serving
+from dsa_image.validation.b12x_base import choose as choose_base
 
 SHORT_PROMPTS = serving.PROMPT_LENGTHS
 # 65400 + 32 output tokens ends 104 tokens short of 65536: the widest block-table row a
@@ -384,15 +385,16 @@ def decode_path_modes(base: str | None) -> list[str]:
 
 
 def resolve_base(requested: str | None, sites: list[str]) -> str | None:
-    """The vLLM release both sites hold (their dist-info), which --vllm must name if given; with
-    neither, None (the paths are then not judged)."""
-    found = {v for site in sites for v in installed_versions(Path(site), "vllm") if v}
-    if len(found) > 1:
-        raise SystemExit(f"the sites hold vLLM {sorted(found)}: stock and overlay must be one base")
-    installed = next(iter(found), None)
-    if requested and installed and requested != installed:
-        raise SystemExit(f"--vllm {requested}, but the sites hold vLLM {installed}")
-    return installed or requested
+    """The vLLM release both sites hold (their dist-info), which --vllm must name if given
+    (b12x_base.choose, as every harness); sites without one: --vllm, or None (the paths are then
+    not judged)."""
+    installed = {v for site in sites for v in installed_versions(Path(site), "vllm") if v}
+    if not installed:
+        return requested
+    try:
+        return choose_base(requested, installed)
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 # -- running ------------------------------------------------------------------------------------
