@@ -28,6 +28,7 @@ OVERLAY_TOOL = REPO / "scripts" / "overlay.py"
 RECEIPT_NAME = "vllm_overlay_receipt.json"
 STOP_GRACE_S = 30.0
 RAY_PROBE_TIMEOUT_S = 120
+VERSIONS_PROBE_TIMEOUT_S = 60  # reads dist-info metadata, imports no vLLM: seconds even on a cold disk
 MAX_PROCESS_DEPTH = 32  # server -> engine core -> raylet -> worker -> ...: far fewer in practice
 
 # Run by the served environment's Python (its env, cwd "/"): is Ray importable, and which cluster
@@ -233,7 +234,7 @@ def environment_versions(python: str, env: dict[str, str]) -> dict[str, str]:
     vLLM release is the recipe base whose expectations the run checks."""
     try:
         done = subprocess.run([python, "-c", VERSIONS_PROBE], capture_output=True, text=True, env=env, cwd="/",
-                              timeout=RAY_PROBE_TIMEOUT_S)
+                              timeout=VERSIONS_PROBE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise StartError(f"{python}: cannot run it to read its vLLM version: {e}") from None
     if done.returncode != 0:
