@@ -486,6 +486,14 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _default_dispositions() -> None:
+    """In the child before exec: the forwarded signals at their defaults. An ignored signal stays
+    ignored across exec, and a supervisor started by a non-interactive shell in the background
+    inherits SIGINT ignored: the server would then ignore the SIGINT forwarded to it."""
+    for s in FORWARDED_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+
+
 def forward_signals(child: subprocess.Popen, exited: threading.Event) -> Callable[[], None]:
     """Pass each signal on to the child (as if vLLM were PID 1); returns the undo."""
 
@@ -551,7 +559,8 @@ def supervise(argv: list[str], environ: dict[str, str], marker: Path | None = No
     settings = Settings.from_env(environ)
     try:
         # Its own process group: a terminal's Ctrl-C reaches it once, through the forwarding.
-        child = subprocess.Popen(argv, env={**environ, MARKER_ENV: str(marker)}, process_group=0)
+        child = subprocess.Popen(argv, env={**environ, MARKER_ENV: str(marker)}, process_group=0,
+                                 preexec_fn=_default_dispositions)
     except OSError as exc:
         _log(f"dsa-image: cannot start {argv[0]}: {exc}")
         return 127

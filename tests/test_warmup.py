@@ -325,15 +325,21 @@ def test_only_a_supervised_server_needs_the_marker(tmp_path):
 # -- the supervisor, as a real process ----------------------------------------------------------
 
 
-def start_supervisor(tmp_path: Path, marker: Path, **options) -> tuple[subprocess.Popen, int]:
+def start_supervisor(tmp_path: Path, marker: Path, sigint_ignored: bool = False,
+                     **options) -> tuple[subprocess.Popen, int]:
     site = fakes.fake_vllm_site(tmp_path / "site", **options)
     port = fakes.free_ports(1)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": f"{REPO}:{site}",
            "DSA_IMAGE_WARMUP_PREFILL": "2500", "DSA_IMAGE_WARMUP_CONCURRENCY": "1,4"}
     server = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "m", "--port", str(port)]
     proc = subprocess.Popen([sys.executable, "-m", "dsa_image.warmup", "supervise", "--marker", str(marker), "--", *server],
-                            env=env, cwd=str(tmp_path), stderr=subprocess.PIPE, text=True)
+                            env=env, cwd=str(tmp_path), stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ignore_sigint if sigint_ignored else None)
     return proc, port
+
+
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def wait_for(condition, seconds: float = 30.0) -> bool:
@@ -390,11 +396,14 @@ def test_supervisor_marks_the_warm_server_and_forwards_sigterm(tmp_path):
     assert "dsa-image warmup: done" in supervisor.stderr.read()
 
 
-def test_supervisor_stays_unhealthy_when_the_warmup_fails_and_says_why(tmp_path):
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["plain", "sigint-ignored-at-start"])
+def test_supervisor_stays_unhealthy_when_the_warmup_fails_and_says_why(tmp_path, sigint_ignored):
     """Decided: a failed warm-up keeps vLLM running (its log and state can be looked at; a restart
-    loop would reload the model and lose them), unhealthy, and the health check names the failure."""
+    loop would reload the model and lose them), unhealthy, and the health check names the failure.
+    The SIGINT it forwards stops the server even when the supervisor started with SIGINT ignored
+    (a background job of a non-interactive shell, as a CI step's)."""
     marker = tmp_path / "warm.json"
-    supervisor, port = start_supervisor(tmp_path, marker, fake={"faults": ["http_500"]})
+    supervisor, port = start_supervisor(tmp_path, marker, sigint_ignored, fake={"faults": ["http_500"]})
     try:
         assert wait_for(marker.exists)
         server = child_pid(supervisor)
