@@ -364,7 +364,8 @@ def test_server_processes_are_its_group_and_its_descendants(tmp_path):
     still counts as the server's: it descends from it."""
     from dsa_image.smoke.local_runtime import LocalServer
 
-    server = LocalServer(["x"], sys.executable, None, {}, free_port(), tmp_path / "log", None, "0.24.0")
+    server = LocalServer(["x"], sys.executable, None, {}, free_port(), tmp_path / "log", None,
+                         {"python": "3.11.7", "vllm": "0.24.0"})
     server.proc = subprocess.Popen([sys.executable, "-c", LEADER_OF_OWN_GROUP], stdout=subprocess.PIPE, text=True,
                                    start_new_session=True)
     child = int(server.proc.stdout.readline())

@@ -112,8 +112,9 @@ def build_local(args, server_args, report: Report, echo, scratch: Path):
 
     # The recipe base is the vLLM the environment holds: its expectations and its overlay's
     # manifest are the ones this run checks.
-    vllm = environment_versions(args.python, site_env(args.site_packages))["vllm"]
-    recipe = recipe_for_base(args.recipe, vllm, f"{args.python} (--site-packages {args.site_packages or 'none'})")
+    versions = environment_versions(args.python, site_env(args.site_packages))
+    recipe = recipe_for_base(args.recipe, versions["vllm"],
+                             f"{args.python} (--site-packages {args.site_packages or 'none'})")
     # Without --target the GPU decides (sm_90 -> sm90 ...): its env and KV cache dtype shape the server.
     target = resolve_target(recipe, args.target, {} if args.target else _host_gpu())
     layout = layout_of(args)
@@ -128,7 +129,7 @@ def build_local(args, server_args, report: Report, echo, scratch: Path):
                             layout.server_flags() + server_args)
     report.model, report.server_command, report.target = model, command, target.id
     report.parallel["serve_argv"] = command
-    server = LocalServer(command, args.python, args.site_packages, env, port, args.out / LOG_NAME, echo, vllm)
+    server = LocalServer(command, args.python, args.site_packages, env, port, args.out / LOG_NAME, echo, versions)
     return server, target.id, recipe
 
 
@@ -140,11 +141,14 @@ def build_docker(args, server_args, report: Report, echo, scratch: Path):
     gpus = None if args.no_gpus else (args.gpus or GpuRequest())
     visible = visible_docker(gpus, query_inventory())
     check_fits(layout, visible)
-    from dsa_image.smoke.docker_runtime import DockerServer, image_vllm  # the Docker SDK: only once the layout fits
+    # the Docker SDK: only once the layout fits
+    from dsa_image.smoke.docker_runtime import VLLM_LABEL, DockerServer, engine_client, find_image
 
     # The recipe base is the image's (its dsa-image.vllm.version label): the expectations the
     # run checks are that base's. The image's own `verify` checks its own base.
-    vllm = image_vllm(args.image)
+    client = engine_client()
+    image = find_image(client, args.image)
+    vllm = (image.labels or {}).get(VLLM_LABEL)
     recipe = recipe_for_base(args.recipe, vllm, f"image {args.image}") if vllm else load_recipe(args.recipe)
 
     # The image carries Ray (the recipe's [cluster] pin); without RAY_ADDRESS vLLM starts a
@@ -163,7 +167,7 @@ def build_docker(args, server_args, report: Report, echo, scratch: Path):
     else:
         image_args = []
     server = DockerServer(args.image, image_args, int(recipe.serving["port"]), args.network, gpus,
-                          args.out / LOG_NAME, echo, env=layout.server_env())
+                          args.out / LOG_NAME, echo, client=client, env=layout.server_env(), image=image)
     target = args.target or server.image_target()
     server.port = server.image_port(server.port)
     server.base_url = f"http://127.0.0.1:{server.port}"

@@ -99,18 +99,13 @@ def find_image(client, image_ref: str):
             raise StartError(f"image {image_ref} is not here and cannot be pulled: {e}") from None
 
 
-def image_vllm(image_ref: str) -> str | None:
-    """The vLLM release the image was built on: its VLLM_LABEL (None: an image without it)."""
-    return (find_image(engine_client(), image_ref).labels or {}).get(VLLM_LABEL)
-
-
 class DockerServer:
     """`gpus`: what the container asks for (None: no GPU request); `env`: variables the
     container gets (the layout's, e.g. Ray's log settings)."""
 
     def __init__(self, image_ref: str, command: list[str], port: int, network: str, gpus: GpuRequest | None,
                  log_path: Path, echo: IO[str] | None, client=None, console: IO[str] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, image=None):
         self.image_ref = image_ref
         self.command = command
         self.port = port
@@ -126,7 +121,7 @@ class DockerServer:
         self.leftovers: list[dict] = []
         self.run_id = uuid.uuid4().hex[:12]
         self.client = client
-        self.image = None
+        self.image = image  # the Docker SDK's image of image_ref, when the caller has looked it up
         self.container = None
         self.follower: LogFollower | None = None
         self.base_url = f"http://127.0.0.1:{port}"

@@ -84,7 +84,8 @@ def serve_command(python: str, model: str, recipe: Recipe, target: Target, port:
 
 class LocalServer:
     def __init__(self, command: list[str], python: str, site_packages: str | None, env: dict[str, str],
-                 port: int, log_path: Path, echo: IO[str] | None, vllm: str):
+                 port: int, log_path: Path, echo: IO[str] | None, versions: dict[str, str]):
+        """`versions`: environment_versions() of `python` with the site (its vLLM is the base checked)."""
         self.command = command
         self.python = python
         self.site_packages = site_packages
@@ -96,7 +97,8 @@ class LocalServer:
         self.follower: LogFollower | None = None
         self._stopped = False
         self.run_host = host_runner  # nvidia-smi and df on this host; tests put fakes here
-        verify = [str(OVERLAY_TOOL), "verify", "--python", python, "--vllm", vllm]
+        self.versions = versions
+        verify = [str(OVERLAY_TOOL), "verify", "--python", python, "--vllm", versions["vllm"]]
         if site_packages:
             verify += ["--site-packages", site_packages]
         self.verify_argv = [python, "-B", *verify]
@@ -178,14 +180,9 @@ class LocalServer:
                 "shm": query_shm(self.run_host, "host")}
 
     def describe(self, report: Report) -> None:
-        report.python = {"executable": self.python, "site_packages": self.site_packages}
-        try:
-            found = environment_versions(self.python, self.env)
-        except StartError as e:
-            report.errors.append(str(e))
-            return
-        report.python["version"] = found["python"]
-        report.versions["vllm_installed"] = found["vllm"]
+        report.python = {"executable": self.python, "site_packages": self.site_packages,
+                         "version": self.versions["python"]}
+        report.versions["vllm_installed"] = self.versions["vllm"]
 
     def stop(self) -> None:
         if self.proc is None or self._stopped:
