@@ -448,3 +448,32 @@ def test_receive_hashes_only_what_this_call_carried(tmp_path):
     done = t.carry(t.parts.paths[1].name)
     assert done.returncode == 0, done.stderr
     assert f"received: 2 of {len(t.parts.paths)} parts" in done.stdout
+
+
+def test_part_size_is_what_the_carry_leaves_beside_the_repository():
+    # A 7 MB repository: 60 MB parts were refused, so parts shrink to fit the limit with headroom.
+    size = stage.part_bytes(7_065_625)
+    assert size % 1_000_000 == 0
+    assert size + 7_065_625 + stage.CARRY_HEADROOM <= stage.CARRY_LIMIT
+    assert stage.part_bytes(0) > size
+
+
+def test_a_repository_too_large_for_a_useful_part_is_refused():
+    with pytest.raises(stage.StageError, match="leaving .* MB for a part"):
+        stage.part_bytes(stage.CARRY_LIMIT - stage.CARRY_HEADROOM - 10_000_000)
+
+
+def test_repository_bytes_counts_tracked_and_untracked_files_but_not_ignored_ones(tmp_path):
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text(".stage/\n")
+    (tmp_path / "tracked").write_bytes(b"x" * 1000)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "tracked", ".gitignore"], check=True)
+    (tmp_path / "untracked").write_bytes(b"y" * 300)
+    (tmp_path / ".stage").mkdir()
+    (tmp_path / ".stage" / "bundle.tar.part00").write_bytes(b"z" * 5000)
+    assert stage.repository_bytes(tmp_path) == 1000 + 300 + len(".stage/\n")
+
+
+def test_repository_bytes_outside_a_checkout_says_what_to_do(tmp_path):
+    with pytest.raises(stage.StageError, match="stage from a git checkout"):
+        stage.repository_bytes(tmp_path / "nowhere")

@@ -1,8 +1,9 @@
 """Stage the wheels an H200 validation run of one base installs, split for the device transfer.
 
-The device machine has no network, and each call carries at most 64 MiB of the repository:
-the wheels travel as one tarball in parts of 60 MB under ``.stage/vllm-X.Y.Z/`` (git-ignored),
-one part per call, and scripts/h200_validation.sh reassembles them in /tmp/stage-X.Y.Z.
+The device machine has no network, and each call carries at most 64 MiB: the repository's
+files and what it names in `carry`. The wheels travel as one tarball in parts under
+``.stage/vllm-X.Y.Z/`` (git-ignored), one part per call, each as large as the carry leaves room
+for beside the repository (`part_bytes`), and scripts/h200_validation.sh reassembles them in /tmp/stage-X.Y.Z.
 
 What the H200 has: its Python's ``pip list --format=freeze``, as the `inventory` phase of
 scripts/h200_validation.sh recorded it (`H200_RECORD`, docs/validation/h200-pip-freeze.txt; the
@@ -35,7 +36,11 @@ REPO = Path(__file__).resolve().parents[2]
 H200_RECORD = REPO / "docs" / "validation" / "h200-pip-freeze.txt"
 ARCH = "amd64"
 EXTRAS_TARGET = "sm120"  # its lock adds b12x to the common set (the CuTe DSL is in both)
-PART_BYTES = 60_000_000
+CARRY_LIMIT = 64 * 2**20  # the device tool's limit on one call's files
+# SHA256SUMS and selection.txt ride with the first part; the rest covers the device tool's own
+# accounting (it refused a 60 MB part beside a 7 MB repository, 2026-11-30).
+CARRY_HEADROOM = 2 * 2**20
+MIN_PART_BYTES = 16_000_000  # below this a 4 GB bundle needs more than 250 calls
 BUNDLE = "bundle.tar"
 SELECTION = "selection.txt"
 SUMS = "SHA256SUMS"
@@ -202,10 +207,10 @@ def verified_wheel(cache: Path, staged: Staged) -> Path:
 
 
 class _Parts:
-    """A file-like sink that writes PART_BYTES-sized parts and hashes the whole stream and each
+    """A file-like sink that writes part_bytes-sized parts and hashes the whole stream and each
     part, so the bundle is never on disk twice."""
 
-    def __init__(self, out: Path, part_bytes: int = PART_BYTES):
+    def __init__(self, out: Path, part_bytes: int):
         self.out, self.part_bytes, self.digest, self.paths, self.size = out, part_bytes, hashlib.sha256(), [], 0
         self.part_digests: list = []
         self._file = None
@@ -238,7 +243,7 @@ def selection_text(staged: list[Staged], files: dict[str, Path]) -> str:
     return "".join(f"{s.name}=={s.version}  {files[s.name].name}  {s.why}\n" for s in staged)
 
 
-def write_stage(staged: list[Staged], files: dict[str, Path], out: Path, part_bytes: int = PART_BYTES) -> _Parts:
+def write_stage(staged: list[Staged], files: dict[str, Path], out: Path, part_bytes: int) -> _Parts:
     """out/bundle.tar.partNN, out/selection.txt (what the bundle holds) and out/SHA256SUMS (each
     part's sha256, checked as it arrives on the device, the reassembled bundle's and the
     selection's, for `sha256sum -c`)."""
@@ -338,14 +343,38 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
+def repository_bytes(repo: Path) -> int:
+    """What a device call carries of the repository: its tracked and untracked-not-ignored files."""
+    try:
+        listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise StageError(f"{repo}: cannot list the files a device call carries (git ls-files): {exc}; "
+                         "stage from a git checkout of the repository") from None
+    paths = (repo / name for name in listed.decode().split("\0") if name)
+    return sum(path.stat().st_size for path in paths if path.is_file())
+
+
+def part_bytes(repo_bytes: int) -> int:
+    """The largest part (in whole MB) that fits one call beside the repository."""
+    room = (CARRY_LIMIT - CARRY_HEADROOM - repo_bytes) // 1_000_000 * 1_000_000
+    if room < MIN_PART_BYTES:
+        raise StageError(
+            f"a device call carries at most {CARRY_LIMIT // 2**20} MiB; the repository takes "
+            f"{repo_bytes / 1e6:.1f} MB, leaving {max(room, 0) / 1e6:.0f} MB for a part (expected at least "
+            f"{MIN_PART_BYTES / 1e6:.0f} MB): remove large untracked files or move them under a git-ignored path")
+    return room
+
+
 def stage(recipe: Recipe, freeze: Path, cache: Path, out: Path) -> int:
+    size = part_bytes(repository_bytes(REPO))
     present, source = present_on_h200(freeze)
     staged = plan(recipe, present)
     files = download(staged, recipe, cache)
     directory = out / f"vllm-{recipe.vllm_version}"
-    parts = write_stage(staged, files, directory)
+    parts = write_stage(staged, files, directory, size)
     print(f"vLLM {recipe.vllm_version}: {len(staged)} wheels (against {source}), {parts.size / 1e6:.0f} MB "
-          f"in {len(parts.paths)} parts under {directory}; carry one part per device call "
+          f"in {len(parts.paths)} parts of {size / 1e6:.0f} MB under {directory}; carry one part per device call "
           f"({SUMS} and {SELECTION} with the first)")
     return 0
 
