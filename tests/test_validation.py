@@ -90,5 +90,21 @@ def test_the_growth_check_expects_one_row_per_query_token_only_when_flattened():
     from dsa_image.validation.indexer_probe import expected_decode_table
 
     table = np.array([[1, 2, 3], [4, 5, 6]])
-    assert expected_decode_table(table, [2, 1], flattened=True).tolist() == [[1, 2, 3], [1, 2, 3], [4, 5, 6]]
-    assert expected_decode_table(table, [2, 1], flattened=False).tolist() == table.tolist()
+    assert expected_decode_table(table, [2, 1], flattened=True, uniform_only=False).tolist() == [
+        [1, 2, 3], [1, 2, 3], [4, 5, 6]]
+    assert expected_decode_table(table, [2, 2], flattened=False, uniform_only=True).tolist() == table.tolist()
+
+
+def test_a_variable_batch_without_flattening_decodes_only_its_leading_uniform_run():
+    """0.33.0 on sm_90 (no flattening, no variable-length kernel) needs uniform decodes: the
+    first request whose length differs and every one after it go the prefill path. The
+    2026-11-30 H200 run's probe expected all 8 rows of such a batch, for stock and overlay."""
+    np = pytest.importorskip("numpy")
+    from dsa_image.validation.indexer_probe import expected_decode_table, leading_decodes
+
+    assert leading_decodes([4, 4, 2, 4], uniform_only=True) == 2
+    assert leading_decodes([4, 0, 4], uniform_only=True) == 3  # 0: cudagraph padding
+    assert leading_decodes([4, 4, 2, 4], uniform_only=False) == 4
+    table = np.arange(12).reshape(4, 3)
+    assert expected_decode_table(table, [4, 4, 2, 4], flattened=False, uniform_only=True).tolist() == [
+        [0, 1, 2], [3, 4, 5]]

@@ -208,10 +208,22 @@ def true_decode_max(spec: B.BatchSpec, md) -> int:
 # --- overlay-only checks ----------------------------------------------------
 
 
-def expected_decode_table(table, query_lens, flattened: bool):
-    """The decode block table a builder must hand the kernel: each request's row once per
-    query token when flattened, once per request otherwise."""
-    return np.repeat(table, query_lens, axis=0) if flattened else np.asarray(table)
+def leading_decodes(query_lens, uniform_only: bool) -> int:
+    """How many requests of a batch of short queries the builder takes as decodes (vLLM's
+    split_decodes_and_prefills): all of them, or, when the decode kernel needs uniform
+    batches, the leading run as long as the first (the rest go the prefill path)."""
+    if not uniform_only:
+        return len(query_lens)
+    first = query_lens[0]
+    return next((i for i, q in enumerate(query_lens) if q not in (first, 0)), len(query_lens))
+
+
+def expected_decode_table(table, query_lens, flattened: bool, uniform_only: bool):
+    """The decode block table a builder must hand the kernel: each decode request's row once
+    per query token when flattened, once per request otherwise."""
+    n = leading_decodes(query_lens, uniform_only)
+    rows = np.asarray(table)[:n]
+    return np.repeat(rows, query_lens[:n], axis=0) if flattened else rows
 
 
 def check_block_table_growth(model_dir: str) -> dict:
@@ -223,7 +235,9 @@ def check_block_table_growth(model_dir: str) -> dict:
     vLLM 0.28.0 the runner passes its width to the builder (`requires_block_table_width`),
     so the widest table is the runner's own width: every row must still arrive whole.
     The decode table has one row per query token when the builder flattens (0.24.0 on
-    sm_90), one per request when it does not (0.33.0: DeepGEMM takes next_n=4 natively).
+    sm_90), one per request when it does not (0.33.0: DeepGEMM takes next_n=4 natively);
+    without flattening or a variable-length kernel the builder needs uniform decode batches,
+    so a variable batch's decodes are its leading run of equal query lengths.
     """
     rng = np.random.default_rng(SEED + 1)
     config = make_vllm_config(model_dir, 3)
@@ -232,6 +246,7 @@ def check_block_table_growth(model_dir: str) -> dict:
     told = bool(getattr(type(builder), "requires_block_table_width", False))
     runner_width = runner_block_table_width(config) if told else buffer_width + 3
     flattened = bool(builder.use_flattening)
+    uniform_only = not (flattened or getattr(builder, "supports_varlen", False))
     report = {"buffer_width": int(buffer_width), "runner_width": int(runner_width),
               "builder_told_runner_width": told, "flattened": flattened}
     for variable in (False, True):
@@ -244,9 +259,11 @@ def check_block_table_growth(model_dir: str) -> dict:
             report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
             continue
         got = md.decode.block_table[:, :runner_width].cpu().numpy()
-        want = expected_decode_table(table, spec.query_lens, flattened)
-        report[name] = {"ok": bool(np.array_equal(got, want)),
-                        "rows": int(want.shape[0])}
+        want = expected_decode_table(table, spec.query_lens, flattened, uniform_only)
+        decodes = leading_decodes(spec.query_lens, uniform_only)
+        report[name] = {"ok": bool(md.num_decodes == decodes and np.array_equal(got, want)),
+                        "decodes": int(md.num_decodes), "expected_decodes": decodes,
+                        "rows": int(got.shape[0]), "expected_rows": int(want.shape[0])}
     return report
 
 
