@@ -24,7 +24,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .dist_info import installed_versions
+from .dist_info import DistInfoError, installed_vllm_version
+
 
 @dataclass(frozen=True)
 class ExtensionTable:
@@ -175,15 +176,6 @@ def extension_name(path: Path) -> str:
     return path.name.split(".", 1)[0]
 
 
-def installed_vllm_version(site_packages: Path) -> str:
-    """The Version of the one vllm-*.dist-info in site_packages."""
-    found = installed_versions(site_packages, "vllm")
-    if len(found) != 1 or not found[0]:
-        raise ArchCheckError(f"{site_packages}: expected one vllm-*.dist-info with a Version, found {len(found)} "
-                             f"({', '.join(repr(v) for v in found) or 'none'}); install vLLM with pip")
-    return found[0]
-
-
 def extension_table(version: str) -> ExtensionTable:
     try:
         return EXTENSION_TABLES[version]
@@ -233,7 +225,10 @@ def check_extensions(site_packages: Path, targets: list[tuple[int, int]], cuobjd
     package = site_packages / "vllm"
     if not package.is_dir():
         raise ArchCheckError(f"{package}: not a directory; expected vLLM installed in {site_packages}")
-    version = installed_vllm_version(site_packages)
+    try:
+        version = installed_vllm_version(site_packages)
+    except DistInfoError as exc:
+        raise ArchCheckError(str(exc)) from None
     table = extension_table(version)
     results, found = [], {}
     for binary in sorted(package.rglob("*.so")):

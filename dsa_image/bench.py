@@ -43,16 +43,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dsa_image.site_path import pythonpath
-from dsa_image.validation import serving
-from dsa_image.validation.serving_modes import (
+from dsa_image.spec_decode_metrics import (
     SPEC_COUNTERS,
     acceptance,
     counter_delta,
+    scrape_spec_counters,
+    settled_spec_counters,
+)
+from dsa_image.validation import serving
+from dsa_image.validation.serving_modes import (
     long_context_model,
     model_prompt_ids,
     prompt_token_ids,
-    scrape_spec_counters,
-    settled_spec_counters,
     wait_each_healthy,
 )
 

@@ -7,6 +7,10 @@ import email.parser
 from pathlib import Path
 
 
+class DistInfoError(RuntimeError):  # a RuntimeError: the validation harnesses refuse a base with one
+    """A site-packages directory without exactly one install (with a Version) of a distribution."""
+
+
 def installed_versions(site: Path, name: str) -> list[str]:
     """The Version of every dist-info of `name` in `site` (one where a single install is there;
     "" for a METADATA without a Version)."""
@@ -18,3 +22,14 @@ def installed_versions(site: Path, name: str) -> list[str]:
             if (headers.get("Name") or "").lower() == name:
                 found.append(headers.get("Version") or "")
     return found
+
+
+def installed_vllm_version(site: Path) -> str:
+    """The Version of the one vLLM install in `site`; raises DistInfoError unless there is
+    exactly one with a Version."""
+    found = installed_versions(site, "vllm")
+    if len(found) == 1 and found[0]:
+        return found[0]
+    what = f"{len(found)} ({', '.join(v or 'no Version' for v in found)})" if found else "none"
+    raise DistInfoError(f"{site}: expected one vllm-*.dist-info/METADATA with a Version, found {what}; "
+                        "point at the site-packages of one vLLM install, or reinstall vLLM there with pip")

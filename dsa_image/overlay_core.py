@@ -10,9 +10,8 @@ import signal
 import sys
 from pathlib import Path
 
-from . import wheels
+from . import dist_info, wheels
 from .atomic import NotRegularFile, read_regular
-from .dist_info import installed_versions
 from .manifest import Manifest, ManifestError, load_manifest
 from .recipe import RECIPES_DIR, REPO_ROOT, Recipe, RecipeError, load_recipe, vllm_dir
 
@@ -127,11 +126,10 @@ def read_overlay_files(manifest: Manifest, overlay_dir: Path) -> dict[str, bytes
 def installed_vllm_version(site: Path) -> str:
     """The Version of vLLM's dist-info in `site` (read from METADATA, vLLM is never imported)."""
     require_dir(site)
-    found = installed_versions(site, "vllm")
-    if len(found) != 1 or not found[0]:
-        what = "no vllm-*.dist-info/METADATA" if not found else f"{len(found)} vLLM dist-infos ({', '.join(found)})"
-        raise OverlayError(BAD_INPUT, f"{site}: {what}; point --site-packages at the site-packages holding one vLLM install")
-    return found[0]
+    try:
+        return dist_info.installed_vllm_version(site)
+    except dist_info.DistInfoError as exc:
+        raise OverlayError(BAD_INPUT, str(exc)) from None
 
 
 def reason(exc: BaseException) -> str:

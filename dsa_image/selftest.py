@@ -372,11 +372,11 @@ DEEPGEMM_CALLS = {
 
 
 def installed_vllm_version() -> str:
-    """The installed vLLM's version, from its dist-info (as arch_check reads it)."""
+    """The importable vLLM's version, from the dist-info beside it."""
     import importlib.util
     from pathlib import Path
 
-    from .arch_check import installed_vllm_version as read
+    from .dist_info import installed_vllm_version as read
 
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:

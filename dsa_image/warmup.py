@@ -58,6 +58,7 @@ from typing import Callable
 
 from .atomic import read_regular, write_atomic
 from .healthcheck import UnixHTTPConnection
+from .spec_decode_metrics import parse_spec_counters, settle
 
 MARKER_ENV = "DSA_IMAGE_WARM_MARKER"
 SWITCH_ENV = "DSA_IMAGE_WARMUP"
@@ -83,7 +84,7 @@ SAMPLED = {"temperature": 0.7, "top_p": 0.9, "top_k": 40}
 RETRY_STATUS = 503
 RETRY_PAUSE_S = 1.0
 # Reading vLLM's spec-decode counters again until two reads agree: the API server records a
-# step's statistics after it has sent that step's tokens (serving_modes.settle).
+# step's statistics after it has sent that step's tokens (spec_decode_metrics.settle).
 SPEC_SETTLE_READS = 6
 SPEC_SETTLE_PAUSE_S = 0.5
 
@@ -337,9 +338,6 @@ def spec_counters(endpoint: Endpoint) -> dict | None:
     vllm/v1/spec_decode/metrics.py, the same names in 0.24.0 and 0.33.0), so their presence is
     how the warm-up tells an MTP server without parsing vLLM's flags (a --config file, an
     entrypoint of its own). /metrics is outside --api-key's guarded /v1 paths."""
-    # Imported here: the health check imports this module every 30 s and needs none of it.
-    from .validation.serving_modes import parse_spec_counters
-
     try:  # a record only: nothing here may fail the warm-up
         status, body = _request(endpoint, "/metrics", timeout=30)
         return parse_spec_counters(body.decode(errors="replace")) if status == 200 else None
@@ -349,8 +347,6 @@ def spec_counters(endpoint: Endpoint) -> dict | None:
 
 def settled_spec_counters(endpoint: Endpoint, reads: int = SPEC_SETTLE_READS,
                           pause_s: float = SPEC_SETTLE_PAUSE_S) -> dict | None:
-    from .validation.serving_modes import settle
-
     return settle(lambda: spec_counters(endpoint), pause_s, reads)
 
 

@@ -1,5 +1,5 @@
 """The emulated-b12x harnesses per vLLM base (dsa_image.validation.b12x_glue, b12x_serving,
-b12x_base), without a GPU: which base and b12x release a run is for, the glue's cases on each
+b12x_release), without a GPU: which base and b12x release a run is for, the glue's cases on each
 base, and the overlay calls the glue makes, checked against each overlay's source.
 
 The cases themselves run on an H200 (scripts/h200_validation.sh b12x); these need numpy only."""
@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from dsa_image import overlay
-from dsa_image.validation import b12x_base
+from dsa_image.validation import b12x_release
 
 pytest.importorskip("numpy")
 
 from dsa_image.validation import b12x_glue, b12x_serving  # noqa: E402
+from test_validation_vllm_base import fake_site  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EMULATION = REPO / "emulation"
@@ -26,7 +27,7 @@ if not EMULATION.is_dir():  # the image's test stage: emulation/ stays out of ev
 
 
 def release_of(vllm: str):
-    return b12x_base.emulated_release(str(EMULATION), b12x_base.pinned_b12x(vllm))
+    return b12x_release.emulated_release(str(EMULATION), b12x_release.pinned_b12x(vllm))
 
 
 def cases(vllm: str) -> dict[str, b12x_glue.GlueCase]:
@@ -150,24 +151,6 @@ def test_the_glue_calls_require_supported_as_the_overlay_declares_it(vllm):
 # -- which base and release a run is for ----------------------------------------------------------
 
 
-def test_the_base_is_the_installed_vllm():
-    assert b12x_base.choose(None, {"0.33.0"}) == "0.33.0"
-    assert b12x_base.choose("0.33.0", {"0.33.0"}) == "0.33.0"
-    with pytest.raises(RuntimeError, match="--vllm 0.24.0, but vLLM 0.33.0 is installed"):
-        b12x_base.choose("0.24.0", {"0.33.0"})
-    with pytest.raises(RuntimeError, match="one base per run"):
-        b12x_base.choose(None, {"0.24.0", "0.33.0"})
-
-
-def fake_site(root: Path, vllm: str | None) -> str:
-    root.mkdir(parents=True)
-    if vllm:
-        info = root / f"vllm-{vllm}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {vllm}\n")
-    return str(root)
-
-
 @pytest.mark.parametrize("vllm, variable", [("0.24.0", "B12X_NSA_TOPK_SUPERTILE_K"),
                                             ("0.33.0", "B12X_DSA_TOPK_SUPERTILE_K")])
 def test_serving_sets_the_supertile_through_the_bases_variable(tmp_path, vllm, variable):
@@ -182,10 +165,10 @@ def test_serving_refuses_sites_of_two_bases_or_none(tmp_path):
     with pytest.raises(RuntimeError, match="one base per run"):
         b12x_serving.resolve_base(args)
     args.overlay_site = fake_site(tmp_path / "empty", None)
-    with pytest.raises(RuntimeError, match="holds vLLM nowhere"):
+    with pytest.raises(RuntimeError, match="expected one vllm-\\*.dist-info/METADATA with a Version, found none"):
         b12x_serving.resolve_base(args)
 
 
 def test_an_unemulated_release_is_refused():
     with pytest.raises(RuntimeError, match=r"b12x 1\.4\.0 is not emulated \(emulated: 0\.30\.2, 1\.5\.1\)"):
-        b12x_base.emulated_release(str(EMULATION), "1.4.0")
+        b12x_release.emulated_release(str(EMULATION), "1.4.0")

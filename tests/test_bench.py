@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import bench
+from dsa_image import bench, spec_decode_metrics
 from dsa_image.validation import serving_modes
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -494,7 +494,7 @@ def test_a_round_keeps_concurrency_requests_in_flight():
 
 def test_spec_counters_are_parsed_summed_and_turned_into_rates():
     text = FakeOpenAI(spec=True).metrics()
-    assert serving_modes.parse_spec_counters(text) == {
+    assert spec_decode_metrics.parse_spec_counters(text) == {
         "drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_position": [0.0, 0.0]}
     two_engines = "\n".join([
         'vllm:spec_decode_num_drafts_total{engine="0"} 10.0', 'vllm:spec_decode_num_drafts_total{engine="1"} 30.0',
@@ -502,23 +502,23 @@ def test_spec_counters_are_parsed_summed_and_turned_into_rates():
         'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 50.0',
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 20.0',
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 30.0'])
-    counters = serving_modes.parse_spec_counters(two_engines)
+    counters = spec_decode_metrics.parse_spec_counters(two_engines)
     assert counters == {"drafts": 40.0, "draft_tokens": 120.0, "accepted_tokens": 50.0,
                         "accepted_per_position": [30.0, 20.0]}
-    rates = serving_modes.acceptance(serving_modes.counter_delta(
+    rates = spec_decode_metrics.acceptance(spec_decode_metrics.counter_delta(
         {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_position": []}, counters))
     assert rates["acceptance_rate"] == pytest.approx(50 / 120)
     assert rates["mean_acceptance_length"] == pytest.approx(1 + 50 / 40)
     assert rates["per_position_rate"] == pytest.approx([0.75, 0.5])
-    assert serving_modes.parse_spec_counters(FakeOpenAI().metrics()) is None
-    assert serving_modes.acceptance(None) is None
+    assert spec_decode_metrics.parse_spec_counters(FakeOpenAI().metrics()) is None
+    assert spec_decode_metrics.acceptance(None) is None
 
 
 def test_spec_counters_are_scraped_as_deltas_over_requests():
     with FakeServer(FakeOpenAI(spec=True)) as server:
-        before = serving_modes.scrape_spec_counters(server.port)
+        before = spec_decode_metrics.scrape_spec_counters(server.port)
         bench.stream_completion(server.port, "glm-5", [9], 16)
-        delta = serving_modes.counter_delta(before, serving_modes.scrape_spec_counters(server.port))
+        delta = spec_decode_metrics.counter_delta(before, spec_decode_metrics.scrape_spec_counters(server.port))
     assert delta == {"drafts": 8.0, "draft_tokens": 16.0, "accepted_tokens": 4.0, "accepted_per_position": [2.0, 2.0]}
 
 
@@ -802,10 +802,10 @@ def test_the_benchmark_readme_lists_the_workloads_as_the_code_defines_them():
 def test_spec_counters_are_read_until_they_stop_moving(monkeypatch):
     # The API server records a step's statistics after sending its tokens: a late increment.
     reads = iter([{"drafts": 1.0}, {"drafts": 3.0}, {"drafts": 3.0}, {"drafts": 9.0}])
-    monkeypatch.setattr(serving_modes, "scrape_spec_counters", lambda port: next(reads))
-    assert serving_modes.settled_spec_counters(1, pause_s=0) == {"drafts": 3.0}
-    monkeypatch.setattr(serving_modes, "scrape_spec_counters", lambda port: None)
-    assert serving_modes.settled_spec_counters(1, pause_s=10) is None  # no counters: no waiting
+    monkeypatch.setattr(spec_decode_metrics, "scrape_spec_counters", lambda port: next(reads))
+    assert spec_decode_metrics.settled_spec_counters(1, pause_s=0) == {"drafts": 3.0}
+    monkeypatch.setattr(spec_decode_metrics, "scrape_spec_counters", lambda port: None)
+    assert spec_decode_metrics.settled_spec_counters(1, pause_s=10) is None  # no counters: no waiting
 
 
 def test_one_server_failing_does_not_stop_the_others(monkeypatch):

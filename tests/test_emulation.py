@@ -22,7 +22,7 @@ import pytest
 
 from dsa_image import b12x_api, overlay
 from dsa_image.recipe import load_every_base
-from dsa_image.validation import b12x_base
+from dsa_image.validation import b12x_release
 
 REPO = Path(__file__).resolve().parents[1]
 EMULATION = REPO / "emulation"
@@ -30,9 +30,9 @@ EMULATION = REPO / "emulation"
 if not EMULATION.is_dir():  # the image's test stage: emulation/ stays out of every image
     pytest.skip("emulation/ is not in this tree (never in an image)", allow_module_level=True)
 
-R = b12x_base.load_release_module(str(EMULATION))
+R = b12x_release.load_release_module(str(EMULATION))
 # Per vLLM base, the b12x release its recipe pins: the one the emulation stands in for there.
-BASE_RELEASES = {recipe.vllm_version: b12x_base.pinned_b12x(recipe.vllm_version) for recipe in load_every_base()}
+BASE_RELEASES = {recipe.vllm_version: b12x_release.pinned_b12x(recipe.vllm_version) for recipe in load_every_base()}
 
 
 def overlay_source(vllm: str) -> str:

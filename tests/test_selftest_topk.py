@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from dsa_image import selftest
+from dsa_image.dist_info import DistInfoError
 
 REPO = Path(__file__).resolve().parents[1]
 INDEXER = "vllm/model_executor/layers/sparse_attn_indexer.py"
@@ -161,13 +162,13 @@ def test_deepgemm_without_mx_scales_is_not_refused(monkeypatch):
 
 def test_an_unreadable_vllm_is_an_error_in_one_line(monkeypatch, capsys):
     def unreadable():
-        raise RuntimeError("expected one vllm-*.dist-info with a Version, found 0")
+        raise DistInfoError("expected one vllm-*.dist-info/METADATA with a Version, found none")
 
     monkeypatch.setattr(selftest, "gpu_or_none", lambda: ("NVIDIA H200", (9, 0)))
     monkeypatch.setattr(selftest, "installed_vllm_version", unreadable)
     assert selftest.main([]) == selftest.ERROR
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "RuntimeError: expected one vllm-*.dist-info" in err
+    assert err.count("\n") == 1 and "DistInfoError: expected one vllm-*.dist-info" in err
 
 
 def test_b12x_is_never_refused_for_scales():

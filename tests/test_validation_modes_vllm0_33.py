@@ -26,13 +26,14 @@ from pathlib import Path
 
 import pytest
 
+from dsa_image import spec_decode_metrics
 from dsa_image.recipe import load_recipe
 from dsa_image.validation import serving, serving_modes, warmstart
 from dsa_image.wheels import wheel_cache_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bench import fake_vllm_site, free_ports, tiny_model  # noqa: E402,F401 (tiny_model: a fixture)
-from test_b12x_validation_bases import fake_site  # noqa: E402
+from test_validation_vllm_base import fake_site  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 RUN2 = REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run2"
@@ -283,7 +284,7 @@ def test_0_33s_sm90_sparse_backends_and_the_fp8_ds_mla_cache(wheel_0_33):
 
 def test_0_33s_spec_decode_counters_are_the_ones_read(wheel_0_33):
     source = _source(wheel_0_33, "vllm/v1/spec_decode/metrics.py")
-    for name in (*serving_modes.SPEC_COUNTERS.values(), serving_modes.SPEC_PER_POSITION):
+    for name in (*spec_decode_metrics.SPEC_COUNTERS.values(), spec_decode_metrics.SPEC_PER_POSITION):
         assert f'"{name.removesuffix("_total")}"' in source  # prometheus_client adds _total
 
 

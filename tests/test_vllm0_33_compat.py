@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from dsa_image import serving_recipes as sr
-from dsa_image import warmup
+from dsa_image import spec_decode_metrics, warmup
 from dsa_image.recipe import load_recipe
 from dsa_image.validation import recipes as scaled
-from dsa_image.validation import serving, serving_modes
+from dsa_image.validation import serving
 from dsa_image.wheels import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -212,8 +212,8 @@ def test_the_spec_decode_counters_read_are_vllms(version):
     assert "if not self.spec_decoding_enabled:\n            return" in text
     registered = set(re.findall(r'name="(vllm:spec_decode_[a-z_]+)"|\("(vllm:spec_decode_[a-z_]+)",', text))
     registered = {a or b for a, b in registered}
-    assert {f"{name}_total" for name in registered} == {*serving_modes.SPEC_COUNTERS.values(),
-                                                       serving_modes.SPEC_PER_POSITION}
+    assert {f"{name}_total" for name in registered} == {*spec_decode_metrics.SPEC_COUNTERS.values(),
+                                                       spec_decode_metrics.SPEC_PER_POSITION}
     assert 'pos_labelnames = labelnames + ["position"]' in text
 
 

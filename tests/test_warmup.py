@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import test_bench as fakes
-from dsa_image import warmup
+from dsa_image import spec_decode_metrics, warmup
 from dsa_image.validation import warmstart
 
 REPO = Path(__file__).resolve().parent.parent
@@ -233,9 +233,7 @@ def test_spec_counters_of_a_real_vllm_0_33_exposition():
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="glm-5",position="1"} 2.0',
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="glm-5",position="2"} 1.0'])
     before = {"drafts": 2.0, "draft_tokens": 6.0, "accepted_tokens": 1.0, "accepted_per_position": [1.0, 0.0, 0.0]}
-    from dsa_image.validation.serving_modes import parse_spec_counters
-
-    assert warmup.spec_decode_report(before, parse_spec_counters(text)) == {
+    assert warmup.spec_decode_report(before, spec_decode_metrics.parse_spec_counters(text)) == {
         "drafts": 10.0, "draft_tokens": 30.0, "accepted_tokens": 8.0}
 
 

@@ -468,16 +468,16 @@ def resolve_base(requested: str | None):
     be the one that base's overlay calls."""
     import importlib.metadata
 
-    from dsa_image.validation import b12x_base
+    from dsa_image.validation import b12x_release, vllm_base
 
-    version = b12x_base.choose(requested, {importlib.metadata.version("vllm")})
+    version = vllm_base.choose(requested, {importlib.metadata.version("vllm")})
     if version not in BASES:
         raise RuntimeError(f"vLLM {version} has no b12x glue cases (bases: {', '.join(BASES)})")
     try:
         import b12x
     except ImportError as exc:
         raise RuntimeError(f"the emulated b12x cannot be imported: {exc}") from exc
-    pinned = b12x_base.pinned_b12x(version)
+    pinned = b12x_release.pinned_b12x(version)
     if b12x.RELEASE.version != pinned:
         raise RuntimeError(f"the emulation stands in for b12x {b12x.RELEASE.version}, but the vLLM "
                            f"{version} overlay calls b12x {pinned}: install that b12x in the site")

@@ -51,10 +51,10 @@ EXPLAINED_ROWS = 64
 
 def resolve_base(args) -> tuple[str, str]:
     """(base, the b12x variable its overlay's prefill supertile is set with)."""
-    from dsa_image.validation import b12x_base
+    from dsa_image.validation import b12x_release, vllm_base
 
-    base = b12x_base.choose(args.vllm, {b12x_base.site_vllm(args.stock_site), b12x_base.site_vllm(args.overlay_site)})
-    return base, b12x_base.emulated_release(args.emulation, b12x_base.pinned_b12x(base)).supertile_variable
+    base = vllm_base.sites_base(args.vllm, [args.stock_site, args.overlay_site])
+    return base, b12x_release.emulated_release(args.emulation, b12x_release.pinned_b12x(base)).supertile_variable
 
 
 def start_servers(args, out: Path, supertile: str) -> list[dict]:

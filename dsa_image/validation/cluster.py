@@ -62,9 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dsa_image.smoke import gpu as smoke_gpu
-from dsa_image.validation import serving, serving_modes
-from dsa_image.validation.b12x_base import choose as choose_base
-from dsa_image.validation.b12x_base import site_vllm
+from dsa_image.validation import serving, serving_modes, vllm_base
 from dsa_image.validation.recipes import port_accepts
 
 # -- layouts ------------------------------------------------------------------------------------
@@ -1320,7 +1318,7 @@ def site_base(stock_site: str, overlay_site: str, requested: str | None) -> str:
     """The vLLM release both sites hold (the base the results are labelled with); `requested`
     (--vllm) must name it."""
     try:
-        return choose_base(requested, {site_vllm(stock_site), site_vllm(overlay_site)})
+        return vllm_base.sites_base(requested, [stock_site, overlay_site])
     except RuntimeError as exc:
         raise Refused(f"the base: {exc} (--stock-site {stock_site}, --overlay-site {overlay_site})") from None
 

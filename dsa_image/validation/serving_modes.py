@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Callable
 
 from dsa_image.dist_info import installed_versions
-from dsa_image.validation import serving
-from dsa_image.validation.b12x_base import choose as choose_base
+from dsa_image.spec_decode_metrics import acceptance, counter_delta, settled_spec_counters
+from dsa_image.validation import serving, vllm_base
 
 SHORT_PROMPTS = serving.PROMPT_LENGTHS
 # 65400 + 32 output tokens ends 104 tokens short of 65536: the widest block-table row a
@@ -146,93 +146,6 @@ def mode_prompts(mode: Mode, token_ids: list[int], batch: str) -> list[list[int]
     one, so that its long prompts are prefilled again instead of found in the prefix cache."""
     return [model_prompt_ids(token_ids, n, f"serving-modes:{mode.name}:{batch}:{i}")
             for i, n in enumerate(mode.prompt_lengths)]
-
-
-# -- speculative-decoding counters (vLLM's /metrics) --------------------------------------------
-
-# vllm/v1/spec_decode/metrics.py (vLLM 0.24.0): prometheus counters, exposed with `_total`.
-SPEC_COUNTERS = {
-    "drafts": "vllm:spec_decode_num_drafts_total",
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
-    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
-}
-SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-_SAMPLE_LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{([^}]*)\})?\s+(\S+)')
-_POSITION = re.compile(r'position="(\d+)"')
-
-
-def parse_spec_counters(text: str) -> dict | None:
-    """The spec-decode counters, summed over engines; None when the server has none."""
-    names = {name: key for key, name in SPEC_COUNTERS.items()}
-    totals = {key: 0.0 for key in SPEC_COUNTERS}
-    per_position: dict[int, float] = {}
-    found = False
-    for line in text.splitlines():
-        match = _SAMPLE_LINE.match(line)
-        if not match:
-            continue
-        name, labels, value = match.group(1), match.group(3) or "", float(match.group(4))
-        if name in names:
-            totals[names[name]] += value
-            found = True
-        elif name == SPEC_PER_POSITION and (pos := _POSITION.search(labels)):
-            per_position[int(pos.group(1))] = per_position.get(int(pos.group(1)), 0.0) + value
-    if not found:
-        return None
-    totals["accepted_per_position"] = [per_position[p] for p in sorted(per_position)]
-    return totals
-
-
-def scrape_spec_counters(port: int, host: str = "127.0.0.1") -> dict | None:
-    connection = http.client.HTTPConnection(host, port, timeout=30)
-    try:
-        connection.request("GET", "/metrics")
-        response = connection.getresponse()
-        body = response.read().decode(errors="replace")
-        return parse_spec_counters(body) if response.status == 200 else None
-    except (OSError, http.client.HTTPException):
-        return None
-    finally:
-        connection.close()
-
-
-def settle(read: Callable[[], dict | None], pause_s: float, attempts: int) -> dict | None:
-    """The counters `read` returns once two reads agree (None at once: a server without them):
-    vLLM's API server records a step's statistics after it has sent that step's tokens, so a
-    read right after the last response can miss them."""
-    last = read()
-    for _ in range(attempts if last is not None else 0):
-        time.sleep(pause_s)
-        now = read()
-        if now == last:
-            break
-        last = now
-    return last
-
-
-def settled_spec_counters(port: int, pause_s: float = 0.5, attempts: int = 10) -> dict | None:
-    return settle(lambda: scrape_spec_counters(port), pause_s, attempts)
-
-
-def counter_delta(before: dict | None, after: dict | None) -> dict | None:
-    if before is None or after is None:
-        return None
-    delta = {k: after[k] - before[k] for k in SPEC_COUNTERS}
-    positions = after["accepted_per_position"]
-    earlier = before["accepted_per_position"] + [0.0] * len(positions)
-    delta["accepted_per_position"] = [p - earlier[i] for i, p in enumerate(positions)]
-    return delta
-
-
-def acceptance(delta: dict | None) -> dict | None:
-    """Acceptance rate (accepted / draft tokens) and mean acceptance length (1 + accepted /
-    drafts, the bonus token included), as vLLM's metrics documentation defines them."""
-    if not delta or not delta.get("draft_tokens"):
-        return None
-    drafts = delta["drafts"] or float("nan")
-    return {**delta, "acceptance_rate": delta["accepted_tokens"] / delta["draft_tokens"],
-            "mean_acceptance_length": 1.0 + delta["accepted_tokens"] / drafts,
-            "per_position_rate": [p / drafts for p in delta["accepted_per_position"]]}
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -386,13 +299,13 @@ def decode_path_modes(base: str | None) -> list[str]:
 
 def resolve_base(requested: str | None, sites: list[str]) -> str | None:
     """The vLLM release both sites hold (their dist-info), which --vllm must name if given
-    (b12x_base.choose, as every harness); sites without one: --vllm, or None (the paths are then
+    (vllm_base.choose, as every harness); sites without one: --vllm, or None (the paths are then
     not judged)."""
     installed = {v for site in sites for v in installed_versions(Path(site), "vllm") if v}
     if not installed:
         return requested
     try:
-        return choose_base(requested, installed)
+        return vllm_base.choose(requested, installed)
     except RuntimeError as exc:
         raise SystemExit(str(exc)) from None
 

@@ -1,16 +1,14 @@
-"""Which vLLM base an emulated-b12x validation run is for, and what follows from it.
+"""The b12x release a vLLM base's overlay calls, and the emulation's facts for it.
 
 Each base's overlay calls the b12x release its recipe pins (0.30.2 for vLLM 0.24.0, 1.5.1 for
 0.33.0); the emulation stands in for that release only (emulation/b12x/_release.py), whose
-variables the harnesses must set (B12X_NSA_* or B12X_DSA_*). The base is the installed vLLM's;
-``--vllm`` only asserts it, so a run cannot be labelled with a base it did not test.
+variables the harnesses must set (B12X_NSA_* or B12X_DSA_*).
 
 Stdlib only (and the recipe): usable without torch or vLLM.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import sys
 from pathlib import Path
@@ -22,24 +20,6 @@ def pinned_b12x(vllm: str) -> str:
     """The b12x release the base's sm120 image installs (its recipe's extra)."""
     extras = load_recipe(vllm=vllm).targets["sm120"].extras
     return next(extra.version for extra in extras if extra.name == "b12x")
-
-
-def site_vllm(site: str) -> str:
-    """The vLLM release installed in the site-packages directory ``site``."""
-    found = {d.version for d in importlib.metadata.distributions(name="vllm", path=[site])}
-    if len(found) != 1:
-        raise RuntimeError(f"{site} holds vLLM {sorted(found) or 'nowhere'}: expected one release")
-    return found.pop()
-
-
-def choose(requested: str | None, installed: set[str]) -> str:
-    """The base: the installed vLLM, which ``--vllm`` (``requested``) must name if given."""
-    if len(installed) != 1:
-        raise RuntimeError(f"the sites hold vLLM {sorted(installed)}: one base per run")
-    (version,) = installed
-    if requested and requested != version:
-        raise RuntimeError(f"--vllm {requested}, but vLLM {version} is installed")
-    return version
 
 
 def emulated_release(emulation_dir: str, version: str):
