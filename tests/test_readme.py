@@ -32,8 +32,10 @@ def test_the_second_command_is_the_one_ci_runs():
 
 
 def _slug(heading: str) -> str:
-    """GitHub's anchor for a Markdown heading."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+    """GitHub's anchor for a Markdown heading: made from the rendered text (a link's text, not
+    its target)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())
+    return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
 
 
 def anchors(markdown: str) -> set[str]:
@@ -84,3 +86,23 @@ def test_no_development_machine_path_in_the_files_users_read_or_run():
                 text = path.read_text(errors="replace")
                 found += [f"{path.relative_to(REPO)}: {m.group(0)}" for m in re.finditer(r"(?<![\w.])/work/\S*|(?<![\w.])(?:\.\./)?shared/(?:reference|env|style)\S*", text)]
     assert found == []
+
+
+def _relative_links(markdown: str) -> list[str]:
+    links = re.findall(r"\]\(([^)\s]+)\)", markdown)
+    return [link for link in links if not re.match(r"[a-z]+:", link)]
+
+
+def test_every_relative_link_in_the_docs_names_a_file_and_section_that_exist():
+    """The validation records link to each other's sections by anchor; a renamed heading or a
+    moved record must fail here, not in a reader's browser."""
+    broken = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for link in _relative_links(doc.read_text()):
+            path, _, anchor = link.partition("#")
+            target = (doc.parent / path).resolve() if path else doc
+            if not target.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {link} (no {path})")
+            elif anchor and target.suffix == ".md" and anchor not in anchors(target.read_text()):
+                broken.append(f"{doc.relative_to(REPO)}: {link} (no section #{anchor})")
+    assert not broken, "\n".join(broken)
