@@ -20,6 +20,7 @@
 #   deps        the hash-locked vLLM environment incl. pip's CUDA 13.0 toolkit (CUDA_HOME)
 #   extras      the target's extra lock (sm120: b12x); toolchain and SASS proven for its GPUs
 #   tiny-model  the built-in dummy-weight GLM-5 (config + tokenizer)
+#   model-info  vLLM's model-class info for GLM-5.x and its MTP drafter, cached (no start-up subprocess)
 #   overlay     our files over vLLM (scripts/overlay.py apply, fail closed) + the receipt
 #   test        overlay verify + CPU tests against the installed vLLM
 #   test-results  their results alone (bake target `test` exports them to build/test-results)
@@ -144,6 +145,17 @@ COPY scripts/make_tiny_model.py /tmp/dsa-image/tool/scripts/
 RUN python -B /tmp/dsa-image/tool/scripts/make_tiny_model.py /tiny-glm5
 
 # ---------------------------------------------------------------------------------------------
+# What vLLM otherwise works out in a fresh Python subprocess per model class at every start with
+# an empty cache (42 s + 44 s of the 8x B200 recipe's start on an H200): the info of GLM-5.x's
+# class and its MTP drafter's, keyed by their modules' source. Before the overlay, which does not
+# touch those modules; the test stage checks the entries are fresh against the overlaid site.
+FROM extras AS model-info
+COPY dsa_image/__init__.py dsa_image/model_info_cache.py /tmp/dsa-image/tool/dsa_image/
+COPY --from=tiny-model /tiny-glm5 /tmp/dsa-image/tiny-glm5
+RUN PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.model_info_cache fill \
+        --model /tmp/dsa-image/tiny-glm5 --cache-root /model-info
+
+# ---------------------------------------------------------------------------------------------
 FROM extras AS overlay
 ARG PYTHON_VERSION
 ARG TARGET
@@ -191,10 +203,13 @@ RUN --mount=type=bind,source=recipes/locks/dev.txt,target=/tmp/dsa-image/dev.loc
     echo /opt/dsa-image/test-libs > "${DSA_IMAGE_SITE_PACKAGES}/zz_dsa_image_test_libs.pth"
 COPY pyproject.toml ${DSA_IMAGE_TOOL}/
 COPY tests/ ${DSA_IMAGE_TOOL}/tests/
+COPY --from=model-info /model-info/ /tmp/dsa-image/model-info/
+COPY --from=tiny-model /tiny-glm5 /tmp/dsa-image/tiny-glm5
 WORKDIR ${DSA_IMAGE_TOOL}
 # verify: re-hash every overlaid file against the receipt and import each overlaid module in
-# a fresh interpreter, from this vLLM. Then the tests that exercise the installed environment:
-# the overlay tool, the overlaid indexer modules (property tests against this vLLM), the GPU
+# a fresh interpreter, from this vLLM. The model-info entries the runtime ships: fresh for the
+# overlaid site (vLLM's own lookup, its subprocess fallback refused). Then the tests that
+# exercise the installed environment: the overlay tool, the overlaid indexer modules (property tests against this vLLM), the GPU
 # validation's comparison, the real nvcc + vLLM extensions (arch_check), pip check, the
 # entrypoint and the healthcheck.
 # The results are files of this stage (the `test-results` stage exports them), so a build
@@ -203,6 +218,8 @@ WORKDIR ${DSA_IMAGE_TOOL}
 RUN mkdir -p /opt/dsa-image/test-results; \
     python -B scripts/overlay.py verify --site-packages "${DSA_IMAGE_SITE_PACKAGES}" 2>&1 \
         | tee /opt/dsa-image/test-results/verify.txt; \
+    python -B -m dsa_image.model_info_cache check --model /tmp/dsa-image/tiny-glm5 \
+        --cache-root /tmp/dsa-image/model-info 2>&1 | tee /opt/dsa-image/test-results/model-info.txt; \
     python -B -m pytest -p no:cacheprovider -m "not docker and not gpu and not wheel" \
         --junitxml=/opt/dsa-image/test-results/junit.xml \
         tests/test_overlay.py tests/test_overlay_bytecode.py tests/test_overlay_interrupt.py \
@@ -234,8 +251,10 @@ RUN [[ -n "${DEFAULT_MODEL}" && -n "${PORT}" ]] || { echo "DEFAULT_MODEL/PORT em
     printf '#!/bin/sh\n# The entrypoint by name, for docker exec (serve from a ray-head container).\nexec /usr/bin/env PYTHONPATH=/opt/dsa-image/tool /opt/venv/bin/python -m dsa_image.entrypoint "$@"\n' \
         > /usr/local/bin/dsa-image; \
     chmod 755 /usr/local/bin/dsa-image; \
-    install -d -o vllm -g vllm /home/vllm/.cache /home/vllm/.cache/deep_gemm /home/vllm/.cache/triton
+    install -d -o vllm -g vllm /home/vllm/.cache /home/vllm/.cache/deep_gemm /home/vllm/.cache/triton \
+        /home/vllm/.cache/vllm
 COPY --from=tiny-model /tiny-glm5 ${DEFAULT_MODEL}
+COPY --from=model-info --chown=vllm:vllm /model-info/modelinfos/ /home/vllm/.cache/vllm/modelinfos/
 # Every run-time compile cache under /home/vllm/.cache, so one named volume there
 # (docker run -v dsa-image-cache:/home/vllm/.cache) keeps them all across restarts; a new named
 # volume starts as a copy of this directory, owned by vllm. Left to their defaults, Inductor

@@ -239,6 +239,7 @@ class PytestResults:
     skipped: int
     files: tuple[str, ...]  # test modules with at least one test case, e.g. tests/test_overlay.py
     verify: str  # what `overlay.py verify` printed
+    model_info: str  # what `model_info_cache check` printed
 
     @property
     def passed(self) -> int:
@@ -246,9 +247,10 @@ class PytestResults:
 
 
 def read_test_results(directory: Path) -> PytestResults:
-    """The results the `test-results` stage exports: pytest's junit.xml and verify.txt."""
-    junit, verify = directory / "junit.xml", directory / "verify.txt"
-    for path in (junit, verify):
+    """The results the `test-results` stage exports: pytest's junit.xml, verify.txt and
+    model-info.txt."""
+    junit, verify, model_info = directory / "junit.xml", directory / "verify.txt", directory / "model-info.txt"
+    for path in (junit, verify, model_info):
         if not path.is_file():
             raise BuildError(f"{path}: missing; the `test` stage exports it on every build "
                              f"(Dockerfile stage test-results)")
@@ -264,7 +266,7 @@ def read_test_results(directory: Path) -> PytestResults:
     files = sorted({"/".join(case.get("classname", "").split(".")[:2]) + ".py"
                     for suite in suites for case in suite.iter("testcase") if case.get("classname")})
     return PytestResults(total["tests"], total["failures"], total["errors"], total["skipped"], tuple(files),
-                         verify.read_text(errors="replace"))
+                         verify.read_text(errors="replace"), model_info.read_text(errors="replace"))
 
 
 # -- preflight: what this host needs to build ------------------------------------------------

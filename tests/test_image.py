@@ -66,6 +66,7 @@ def test_test_stage_results_are_exported_and_passed_whether_or_not_the_step_was_
     assert set(run.files) == _in_image_test_files(), run.files
     assert "tests/test_image_entrypoint.py" in run.files and "tests/test_image_healthcheck.py" in run.files
     assert run.verify.strip(), "overlay.py verify printed nothing"
+    assert "model info fresh for GlmMoeDsaForCausalLM, " in run.model_info, run.model_info
     pytest_step = [s for s in test_stage_build.steps if s.stage == "test" and "pytest" in s.name]
     assert pytest_step, "the build log names no pytest step of the `test` stage"
     print(f"in-image tests: {run.passed} passed, {run.skipped} skipped "
@@ -86,6 +87,7 @@ def test_every_other_base_builds_its_test_target_and_passes_its_in_image_tests(b
     assert run.failures == 0 and run.errors == 0 and run.passed > 0, run
     assert _overlay_test_file(base) in run.files and "tests/test_serving_recipes_vllm.py" in run.files, run.files
     assert run.verify.strip(), "overlay.py verify printed nothing"
+    assert "model info fresh for GlmMoeDsaForCausalLM, " in run.model_info, run.model_info
     print(f"vLLM {base.vllm_version} in-image tests: {run.passed} passed, {run.skipped} skipped")
 
 

@@ -29,16 +29,19 @@ def _junit(tests: int, failures: int = 0, errors: int = 0, skipped: int = 0,
 def test_read_test_results_counts_and_names_the_test_files(tmp_path):
     (tmp_path / "junit.xml").write_text(_junit(10, failures=1, errors=2, skipped=3))
     (tmp_path / "verify.txt").write_text("verified 12 files\n")
+    (tmp_path / "model-info.txt").write_text("model info fresh for A, B\n")
     run = image_build.read_test_results(tmp_path)
     assert (run.tests, run.failures, run.errors, run.skipped, run.passed) == (10, 1, 2, 3, 4)
     assert run.files == ("tests/test_image_entrypoint.py", "tests/test_overlay.py")
     assert run.verify == "verified 12 files\n"
+    assert run.model_info == "model info fresh for A, B\n"
 
 
-@pytest.mark.parametrize("missing", ["junit.xml", "verify.txt"])
+@pytest.mark.parametrize("missing", ["junit.xml", "verify.txt", "model-info.txt"])
 def test_read_test_results_fails_when_a_file_is_missing(tmp_path, missing):
     (tmp_path / "junit.xml").write_text(_junit(1))
     (tmp_path / "verify.txt").write_text("ok\n")
+    (tmp_path / "model-info.txt").write_text("ok\n")
     (tmp_path / missing).unlink()
     with pytest.raises(BuildError, match=missing):
         image_build.read_test_results(tmp_path)

@@ -1,0 +1,121 @@
+"""vLLM's model-class info, cached at build time for GLM-5.x and its MTP drafter.
+
+Before a server starts, vLLM inspects each model class it resolves (the model's, and with MTP
+the drafter's) in a fresh Python subprocess, unless VLLM_CACHE_ROOT/modelinfos holds that
+class's info keyed by the hash of its module's source (vllm/model_executor/models/registry.py,
+`_LazyRegisteredModel.inspect_model_cls`). On an H200 with an empty cache that took 42 s and
+44 s of the 8x B200 recipe's start (docs/validation/h200-2026-11-30-vllm0_33_0-run3). The image
+ships the files under /home/vllm/.cache/vllm, so a container starts with them, and so does a new
+named volume there (Docker fills it from the image).
+
+    python -m dsa_image.model_info_cache fill  --model DIR --cache-root DIR   # build time
+    python -m dsa_image.model_info_cache check --model DIR --cache-root DIR   # fresh for this site?
+
+`check` runs vLLM's own lookup with its subprocess fallback disabled: an entry whose module
+changed since `fill` (an overlay over the model's module, another vLLM) is stale and fails it.
+The architectures are the model's `architectures[0]` and the drafter's, as vLLM's
+`SpeculativeConfig.hf_config_override` renames it (GLM-5.x checkpoints carry an MTP layer).
+
+Exit codes: 0 done / fresh; 1 an entry missing or stale; 2 bad input (no config.json, an
+architecture vLLM does not register).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+FRESH, STALE, BAD_INPUT = 0, 1, 2
+
+
+class ModelInfoError(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def architectures(model_dir: Path) -> list[str]:
+    """The model's architecture and its MTP drafter's, as vLLM resolves them."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise ModelInfoError(BAD_INPUT, f"{config_file}: expected a Hugging Face config.json; point --model at a model directory")
+    from transformers import AutoConfig
+    from vllm.config.speculative import SpeculativeConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    drafter = SpeculativeConfig.hf_config_override(copy.deepcopy(config))
+    return list(dict.fromkeys([config.architectures[0], drafter.architectures[0]]))
+
+
+def _registered(arch: str):
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model = ModelRegistry.models.get(arch)
+    if model is None or not hasattr(model, "_get_cache_filename"):
+        raise ModelInfoError(BAD_INPUT, f"{arch}: not a model class vLLM registers lazily (expected an entry of "
+                                        "ModelRegistry.models with a model-info cache file)")
+    return ModelRegistry, model
+
+
+def fill(archs: list[str]) -> list[Path]:
+    """Inspect each architecture as vLLM does at start-up, which writes its cache file."""
+    written = []
+    for arch in archs:
+        registry, model = _registered(arch)
+        if registry._try_inspect_model_cls(arch) is None:
+            raise ModelInfoError(STALE, f"{arch}: vLLM could not inspect the model class (its log above says why)")
+        path = model._get_cache_dir() / model._get_cache_filename()
+        if not path.is_file():
+            raise ModelInfoError(STALE, f"{arch}: inspected, but vLLM wrote no {path}")
+        written.append(path)
+    return written
+
+
+def stale(archs: list[str]) -> list[str]:
+    """The architectures vLLM would inspect again in a subprocess: no entry, or one for other sources."""
+    from vllm.model_executor.models import registry as registry_module
+
+    def refuse(_fn):
+        raise RuntimeError("the model-info cache missed")
+
+    original = registry_module._run_in_subprocess
+    registry_module._run_in_subprocess = refuse
+    try:
+        return [arch for arch in archs if _registered(arch)[0]._try_inspect_model_cls(arch) is None]
+    finally:
+        registry_module._run_in_subprocess = original
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="Exit codes: 0 done / fresh; 1 missing or stale; 2 bad input.")
+    parser.add_argument("mode", choices=("fill", "check"))
+    parser.add_argument("--model", type=Path, required=True, help="a model directory (its config.json)")
+    parser.add_argument("--cache-root", type=Path, required=True, help="VLLM_CACHE_ROOT (modelinfos/ below it)")
+    args = parser.parse_args(argv)
+    # vLLM reads VLLM_CACHE_ROOT when the registry builds a path, from the environment.
+    os.environ["VLLM_CACHE_ROOT"] = str(args.cache_root)
+    try:
+        archs = architectures(args.model)
+        if args.mode == "fill":
+            written = fill(archs)
+            print(json.dumps({"architectures": archs, "written": [str(p) for p in written]}))
+            return FRESH
+        missing = stale(archs)
+        if missing:
+            raise ModelInfoError(STALE, f"{args.cache_root}/modelinfos: expected a fresh entry for {', '.join(archs)}; "
+                                        f"missing or stale: {', '.join(missing)} (no entry, or one for other module sources than "
+                                        "this site's); run `python -m dsa_image.model_info_cache fill` against this site")
+        print(f"model info fresh for {', '.join(archs)} in {args.cache_root}/modelinfos")
+        return FRESH
+    except ModelInfoError as exc:
+        print(f"model_info_cache: {exc}", file=sys.stderr)
+        return exc.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
