@@ -10,6 +10,7 @@ named volume there (Docker fills it from the image).
 
     python -m dsa_image.model_info_cache fill  --model DIR --cache-root DIR   # build time
     python -m dsa_image.model_info_cache check --model DIR --cache-root DIR   # fresh for this site?
+    python -m dsa_image.model_info_cache time  --model DIR --cache-root DIR   # vLLM's lookup, timed
 
 `check` runs vLLM's own lookup with its subprocess fallback disabled: an entry whose module
 changed since `fill` (an overlay over the model's module, another vLLM) is stale and fails it.
@@ -27,6 +28,7 @@ import copy
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 FRESH, STALE, BAD_INPUT = 0, 1, 2
@@ -90,10 +92,23 @@ def stale(archs: list[str]) -> list[str]:
         registry_module._run_in_subprocess = original
 
 
+def timed(archs: list[str]) -> dict[str, float]:
+    """Seconds vLLM's start-up lookup takes per architecture: from the cache, or inspecting in a
+    subprocess (and caching) when it misses."""
+    seconds = {}
+    for arch in archs:
+        registry, _ = _registered(arch)
+        started = time.perf_counter()
+        if registry._try_inspect_model_cls(arch) is None:
+            raise ModelInfoError(STALE, f"{arch}: vLLM could not inspect the model class (its log above says why)")
+        seconds[arch] = round(time.perf_counter() - started, 2)
+    return seconds
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="Exit codes: 0 done / fresh; 1 missing or stale; 2 bad input.")
-    parser.add_argument("mode", choices=("fill", "check"))
+    parser.add_argument("mode", choices=("fill", "check", "time"))
     parser.add_argument("--model", type=Path, required=True, help="a model directory (its config.json)")
     parser.add_argument("--cache-root", type=Path, required=True, help="VLLM_CACHE_ROOT (modelinfos/ below it)")
     args = parser.parse_args(argv)
@@ -104,6 +119,9 @@ def main(argv=None) -> int:
         if args.mode == "fill":
             written = fill(archs)
             print(json.dumps({"architectures": archs, "written": [str(p) for p in written]}))
+            return FRESH
+        if args.mode == "time":
+            print(json.dumps({"cache_root": str(args.cache_root), "seconds": timed(archs)}))
             return FRESH
         missing = stale(archs)
         if missing:

@@ -96,6 +96,12 @@ def test_an_empty_cache_is_all_stale(fake_vllm):
     assert mic.stale(ARCHS) == ARCHS
 
 
+def test_time_reports_seconds_per_architecture_and_fills_a_missing_entry(fake_vllm):
+    seconds = mic.timed(ARCHS)
+    assert list(seconds) == ARCHS and all(s >= 0 for s in seconds.values())
+    assert mic.stale(ARCHS) == []
+
+
 def test_an_architecture_vllm_does_not_register_is_refused(fake_vllm):
     with pytest.raises(mic.ModelInfoError, match="NoSuchForCausalLM: not a model class vLLM registers") as exc:
         mic.fill(["NoSuchForCausalLM"])
