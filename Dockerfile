@@ -146,11 +146,11 @@ RUN python -B /tmp/dsa-image/tool/scripts/make_tiny_model.py /tiny-glm5
 
 # ---------------------------------------------------------------------------------------------
 # What vLLM otherwise works out in a fresh Python subprocess per model class at every start with
-# an empty cache (42 s + 44 s of the 8x B200 recipe's start on an H200): the info of GLM-5.x's
-# class and its MTP drafter's, keyed by their modules' source. Before the overlay, which does not
+# an empty cache (18-19 s for the two in this image on a 2-core CPU; docs/image.md): the info of
+# GLM-5.x's class and its MTP drafter's, keyed by their modules' source. Before the overlay, which does not
 # touch those modules; the test stage checks the entries are fresh against the overlaid site.
 FROM extras AS model-info
-COPY dsa_image/__init__.py dsa_image/model_info_cache.py /tmp/dsa-image/tool/dsa_image/
+COPY dsa_image/__init__.py dsa_image/compile_caches.py dsa_image/model_info_cache.py /tmp/dsa-image/tool/dsa_image/
 COPY --from=tiny-model /tiny-glm5 /tmp/dsa-image/tiny-glm5
 RUN PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.model_info_cache fill \
         --model /tmp/dsa-image/tiny-glm5 --cache-root /model-info

@@ -3,8 +3,9 @@
 Before a server starts, vLLM inspects each model class it resolves (the model's, and with MTP
 the drafter's) in a fresh Python subprocess, unless VLLM_CACHE_ROOT/modelinfos holds that
 class's info keyed by the hash of its module's source (vllm/model_executor/models/registry.py,
-`_LazyRegisteredModel.inspect_model_cls`). On an H200 with an empty cache that took 42 s and
-44 s of the 8x B200 recipe's start (docs/validation/h200-2026-11-30-vllm0_33_0-run3). The image
+`_LazyRegisteredModel.inspect_model_cls`): 18-19 s for the two in the 0.33.0 image on a 2-core
+CPU (docs/image.md); on an H200 the 8x B200 recipe's start had 42 s and 44 s before each class
+resolved (docs/validation/h200-2026-11-30-vllm0_33_0-run3). The image
 ships the files under /home/vllm/.cache/vllm, so a container starts with them, and so does a new
 named volume there (Docker fills it from the image).
 
@@ -27,9 +28,15 @@ import argparse
 import copy
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dsa_image.compile_caches import cache_env
+
+TOOL_ROOT = Path(__file__).resolve().parents[1]  # the directory holding dsa_image/
 
 FRESH, STALE, BAD_INPUT = 0, 1, 2
 
@@ -103,6 +110,26 @@ def timed(archs: list[str]) -> dict[str, float]:
             raise ModelInfoError(STALE, f"{arch}: vLLM could not inspect the model class (its log above says why)")
         seconds[arch] = round(time.perf_counter() - started, 2)
     return seconds
+
+
+def fill_with(python: str, env: dict, model: Path, cache_root: Path, timeout: float = 900) -> Path:
+    """The entries the image ships, made by `fill` in another Python environment (`env`: a GPU
+    validation's stock or overlay site on PYTHONPATH) unless `cache_root` has them already;
+    returns their directory."""
+    entries = cache_root / "modelinfos"
+    if not entries.is_dir():
+        path = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(TOOL_ROOT)) if p)
+        result = subprocess.run([python, "-m", "dsa_image.model_info_cache", "fill", "--model", str(model),
+                                 "--cache-root", str(cache_root)], env={**env, "PYTHONPATH": path},
+                                capture_output=True, text=True, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"model_info_cache fill exited with {result.returncode}: {result.stderr[-2000:]}")
+    return entries
+
+
+def ship_into(home: Path, entries: Path) -> None:
+    """Put the entries where the image has them: VLLM_CACHE_ROOT/modelinfos of this HOME."""
+    shutil.copytree(entries, Path(cache_env(str(home))["VLLM_CACHE_ROOT"]) / "modelinfos")
 
 
 def main(argv=None) -> int:

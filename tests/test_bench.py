@@ -262,12 +262,78 @@ FAKE_MAIN = textwrap.dedent('''\
 ''')
 
 
+# vLLM's model registry as far as its model-info cache goes (vllm/model_executor/models/registry.py):
+# an entry per class under VLLM_CACHE_ROOT/modelinfos keyed by the hash of the model's module,
+# else an inspection in a subprocess that writes one. The module here is this file.
+FAKE_REGISTRY = textwrap.dedent('''\
+    import hashlib, json, os
+    from pathlib import Path
+
+    def _run_in_subprocess(fn):
+        return fn()
+
+    class _LazyRegisteredModel:
+        def __init__(self, name):
+            self.name = name
+
+        @staticmethod
+        def _get_cache_dir():
+            return Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos"
+
+        def _get_cache_filename(self):
+            return f"vllm-models-fake-{self.name}.json"
+
+        def inspect(self):
+            source = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+            path = self._get_cache_dir() / self._get_cache_filename()
+            if path.is_file() and json.loads(path.read_text())["hash"] == source:
+                return json.loads(path.read_text())["modelinfo"]
+            info = _run_in_subprocess(lambda: {"architecture": self.name})
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"hash": source, "modelinfo": info}))
+            return info
+
+    class ModelRegistry:
+        models = {name: _LazyRegisteredModel(name) for name in ("GlmMoeDsaForCausalLM", "DeepseekV32MTPModel")}
+
+        @staticmethod
+        def _try_inspect_model_cls(arch):
+            try:
+                return ModelRegistry.models[arch].inspect()
+            except Exception:
+                return None
+''')
+
+FAKE_SPECULATIVE = textwrap.dedent('''\
+    class SpeculativeConfig:
+        @staticmethod
+        def hf_config_override(hf_config):
+            hf_config.architectures = ["DeepseekV32MTPModel"]
+            return hf_config
+''')
+
+
+def add_fake_model_registry(site: Path) -> Path:
+    """vLLM's model registry and speculative config, as far as the model-info cache the image
+    ships goes, into a fake vLLM site."""
+    models = site / "vllm" / "model_executor" / "models"
+    for package in (models, site / "vllm" / "config"):
+        package.mkdir(parents=True, exist_ok=True)
+    for package in (site / "vllm", site / "vllm" / "model_executor", models, site / "vllm" / "config"):
+        (package / "__init__.py").touch()
+    (models / "registry.py").write_text(FAKE_REGISTRY)
+    (site / "vllm" / "config" / "speculative.py").write_text(FAKE_SPECULATIVE)
+    return site
+
+
 def fake_vllm_site(site: Path, **options) -> Path:
-    """A site dir whose `vllm.entrypoints.cli.main` runs FakeOpenAI (and a dist-info)."""
+    """A site dir whose `vllm.entrypoints.cli.main` runs FakeOpenAI, with vLLM's model-info
+    cache as its registry keeps it (and a dist-info)."""
     cli = site / "vllm" / "entrypoints" / "cli"
     cli.mkdir(parents=True)
     for package in (site / "vllm", site / "vllm" / "entrypoints", cli):
         (package / "__init__.py").write_text("")
+    add_fake_model_registry(site)
     (cli / "main.py").write_text(FAKE_MAIN.format(tests_dir=str(TESTS_DIR), repo_dir=str(TESTS_DIR.parent)))
     (cli / "fake.json").write_text(json.dumps(options))
     dist = site / "vllm-0.24.0.dist-info"

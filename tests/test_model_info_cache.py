@@ -130,6 +130,17 @@ def _stage(dockerfile: str, header: str) -> str:
     return dockerfile.split(header + "\n", 1)[1].split("\nFROM ", 1)[0]
 
 
+def test_the_model_info_stage_copies_every_module_of_ours_the_tool_imports():
+    import ast
+
+    tree = ast.parse((REPO / "dsa_image" / "model_info_cache.py").read_text())
+    ours = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+            and node.module.startswith("dsa_image.")}
+    copied = re.search(r"COPY (dsa_image/\S+ )+/tmp/dsa-image/tool/dsa_image/",
+                       _stage((REPO / "Dockerfile").read_text(), "FROM extras AS model-info")).group(0)
+    assert ours and all(f"{module.replace('.', '/')}.py" in copied for module in ours), (ours, copied)
+
+
 def test_the_image_ships_the_entries_where_its_vllm_looks_and_the_test_stage_checks_those():
     dockerfile = (REPO / "Dockerfile").read_text()
     fill = _stage(dockerfile, "FROM extras AS model-info")

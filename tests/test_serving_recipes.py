@@ -22,6 +22,7 @@ from dsa_image.memory_plan import GIB, GPUS, SCHEMES
 
 # The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_bench import add_fake_model_registry  # noqa: E402
 from test_smoke_fakes import free_port  # noqa: E402
 from dsa_image.recipe import load_recipe, recipe_ids
 from dsa_image.validation import recipes as scaled
@@ -628,7 +629,7 @@ def fake_vllm_site(tmp_path: Path) -> Path:
     for package in (site / "vllm", site / "vllm" / "entrypoints", cli):
         (package / "__init__.py").write_text("")
     (cli / "main.py").write_text(FAKE_VLLM)
-    return site
+    return add_fake_model_registry(site)
 
 
 def test_validation_runner_serves_asks_and_records(tmp_path):
@@ -642,6 +643,10 @@ def test_validation_runner_serves_asks_and_records(tmp_path):
     assert str(work / "models" / "tiny-glm5-mtp") in (out / "glm-5.2-nvfp4-8xspark.log").read_text()
     assert result["env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert tiny_model.model_dir_differences(work / "models" / "tiny-glm5-mtp", tiny_model.MTP_CONFIG) == []
+    # The server's HOME starts as the image's: the model info it ships, no compile cache.
+    shipped = work / "home-glm-5.2-nvfp4-8xspark" / ".cache" / "vllm" / "modelinfos"
+    assert sorted(p.name for p in shipped.iterdir()) == [
+        "vllm-models-fake-DeepseekV32MTPModel.json", "vllm-models-fake-GlmMoeDsaForCausalLM.json"]
     summary = __import__("json").loads((out / "summary.json").read_text())
     assert summary["ok"] and [r["run"] for r in summary["runs"]] == ["glm-5.2-nvfp4-8xspark"]
 

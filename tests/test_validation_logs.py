@@ -21,10 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from dsa_image.tiny_model import write_model
 from dsa_image.validation import b12x_serving, recipes, serving, serving_modes
 
 # The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_bench import add_fake_model_registry  # noqa: E402
 from test_smoke_fakes import free_port  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
@@ -162,7 +164,7 @@ def fake_vllm(tmp_path):
     for package in (site / "vllm", site / "vllm" / "entrypoints", cli):
         (package / "__init__.py").write_text("")
     (cli / "main.py").write_text(FAKE_VLLM_MAIN)
-    return site
+    return add_fake_model_registry(site)
 
 
 def _run() -> recipes.ScaledRun:
@@ -173,6 +175,8 @@ def _run() -> recipes.ScaledRun:
 def _serve(tmp_path, site, port, timeout=60):
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
+    if not (tmp_path / "model").is_dir():  # its config.json names the classes the model info is for
+        write_model(tmp_path / "model")
     return recipes.serve_one(_run(), tmp_path / "model", out, tmp_path / "work", sys.executable, str(site),
                              port, timeout)
 

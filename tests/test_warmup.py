@@ -528,6 +528,22 @@ def test_warmstart_attributes_compilations_to_the_first_request_or_the_warmup(tm
     assert cold["first_over_warm"] == pytest.approx(cold["first"]["latency_s"] / cold["warm_latency_s"], abs=0.01)
     assert isinstance(cold["goal_met"], bool) and len(cold["warm"]) == warmstart.WARM_REQUESTS
     assert doc["steps"]["cold"]["empty_caches_at_start"] and not doc["steps"]["warm-warmup"]["empty_caches_at_start"]
+    # The cold HOME is the image's: no compile cache, the model info the image ships.
+    shipped = sorted(p.name for p in (tmp_path / "out" / "work" / "home-overlay" / ".cache" / "vllm" / "modelinfos").iterdir())
+    assert shipped == ["vllm-models-fake-DeepseekV32MTPModel.json", "vllm-models-fake-GlmMoeDsaForCausalLM.json"]
+
+
+def test_a_cold_home_that_cannot_be_made_as_the_images_fails_the_step_not_the_run(tmp_path):
+    from dsa_image.tiny_model import write_model
+
+    write_model(tmp_path / "model")
+    site = fakes.fake_vllm_site(tmp_path / "site")
+    (site / "vllm" / "model_executor" / "models" / "registry.py").unlink()
+    code = warmstart.main(["--model", str(tmp_path / "model"), "--overlay-site", str(site), "--out", str(tmp_path / "out"),
+                           "--steps", "cold", "--port-base", str(fakes.free_ports(1)), "--timeout", "30"])
+    doc = json.loads((tmp_path / "out" / "warmstart.json").read_text())
+    assert code == 1
+    assert doc["steps"]["cold"]["error"].startswith("the image's cold HOME: RuntimeError: model_info_cache fill")
 
 
 def test_deepgemm_lines_show_what_the_server_said_about_it(tmp_path):

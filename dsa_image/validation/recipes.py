@@ -36,7 +36,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .. import tiny_model
+from .. import model_info_cache, tiny_model
 from ..compile_caches import cache_env
 from ..memory_plan import backends
 from ..recipe import Recipe, load_recipe
@@ -302,11 +302,12 @@ def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, s
         raise PortBusy(f"port {port} already accepts connections before {run.name}'s server is started: another "
                        f"server (one left running by an earlier call?) would answer for it; stop it or pass --port")
     # Compile caches per run, laid out as the image's (compile_caches.py), outside the results,
-    # from empty each run.
+    # from empty each run but for what the image ships: the model info (model_info_cache.py).
     home = fresh_home(work / f"home-{run.name}")
     env = {**os.environ, **run.env, "HOME": str(home), **cache_env(str(home))}
     if site:
         env["PYTHONPATH"] = pythonpath(site)
+    model_info_cache.ship_into(home, model_info_cache.fill_with(python, env, model, work / "model-info"))
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *args]
     result = {"run": run.name, "recipes": list(run.recipes), "command": cmd[3:], "env": run.env,
               "changes": [asdict(c) for c in run.changes]}
