@@ -2,76 +2,41 @@
 
 The real vLLM runs it in the image build: `fill` in the model-info stage, `check` in the test
 stage against the overlaid site (Dockerfile). Here: its refusals, its use of vLLM's lookup
-against a registry that behaves as vLLM 0.24.0's and 0.33.0's do (an entry keyed by the
-module's source hash, else a subprocess), and the Dockerfile's paths."""
+against the serving tests' fake registry, which behaves as vLLM 0.24.0's and 0.33.0's do (an
+entry keyed by the module's source hash, else a subprocess), and the Dockerfile's paths."""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
 from dsa_image import model_info_cache as mic
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_bench import add_fake_model_registry  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-class FakeLazyModel:
-    """vLLM's _LazyRegisteredModel as far as the cache goes: modelinfos/<file>.json holding the
-    module's source hash, written after an inspection in a subprocess."""
-
-    def __init__(self, registry_module, name, source):
-        self.registry_module, self.name, self.source = registry_module, name, source
-
-    @staticmethod
-    def _get_cache_dir():
-        import os
-
-        return Path(os.environ["VLLM_CACHE_ROOT"]) / "modelinfos"
-
-    def _get_cache_filename(self):
-        return f"vllm-models-{self.name}.json"
-
-    def inspect(self):
-        path = self._get_cache_dir() / self._get_cache_filename()
-        if path.is_file() and json.loads(path.read_text())["hash"] == self.source:
-            return {"cached": True}
-        info = self.registry_module._run_in_subprocess(lambda: {"cached": False})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"hash": self.source, "modelinfo": info}))
-        return info
 
 
 @pytest.fixture
 def fake_vllm(monkeypatch, tmp_path):
-    registry = types.ModuleType("vllm.model_executor.models.registry")
-    registry._run_in_subprocess = lambda fn: fn()
-    models = {"GlmMoeDsaForCausalLM": FakeLazyModel(registry, "glm", "v1"),
-              "DeepseekV32MTPModel": FakeLazyModel(registry, "mtp", "v1")}
-
-    class ModelRegistry:
-        pass
-
-    ModelRegistry.models = models
-
-    def try_inspect(arch):  # vLLM logs the failure and returns None
-        try:
-            return models[arch].inspect()
-        except Exception:  # noqa: BLE001
-            return None
-
-    ModelRegistry._try_inspect_model_cls = staticmethod(try_inspect)
-    registry.ModelRegistry = ModelRegistry
-    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.models"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "vllm.model_executor.models.registry", registry)
-    sys.modules["vllm.model_executor.models"].registry = registry
+    """The fake vLLM of the serving tests (its registry keys an entry on its module's source),
+    importable here; every vllm module is dropped again afterwards."""
+    site = add_fake_model_registry(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(site))
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
-    return registry, models
+    before = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "vllm"}
+    for name in before:
+        del sys.modules[name]
+    from vllm.model_executor.models import registry
+
+    yield registry, site / "vllm" / "model_executor" / "models" / "registry.py"
+    for name in [name for name in sys.modules if name.split(".")[0] == "vllm"]:
+        del sys.modules[name]
+    sys.modules.update(before)
 
 
 ARCHS = ["GlmMoeDsaForCausalLM", "DeepseekV32MTPModel"]
@@ -79,16 +44,16 @@ ARCHS = ["GlmMoeDsaForCausalLM", "DeepseekV32MTPModel"]
 
 def test_fill_writes_an_entry_per_architecture_that_check_then_finds_fresh(fake_vllm, tmp_path):
     written = mic.fill(ARCHS)
-    assert [p.name for p in written] == ["vllm-models-glm.json", "vllm-models-mtp.json"]
+    assert [p.name for p in written] == [f"vllm-models-fake-{arch}.json" for arch in ARCHS]
     assert mic.stale(ARCHS) == []
 
 
 def test_an_entry_for_other_sources_is_stale_and_the_subprocess_fallback_is_restored(fake_vllm):
-    registry, models = fake_vllm
+    registry, module_file = fake_vllm
     mic.fill(ARCHS)
     original = registry._run_in_subprocess
-    models["DeepseekV32MTPModel"].source = "v2"  # an overlay or another vLLM changed the module
-    assert mic.stale(ARCHS) == ["DeepseekV32MTPModel"]
+    module_file.write_text(module_file.read_text() + "# changed\n")  # an overlay or another vLLM
+    assert mic.stale(ARCHS) == ARCHS
     assert registry._run_in_subprocess is original
 
 
@@ -100,6 +65,14 @@ def test_time_reports_seconds_per_architecture_and_fills_a_missing_entry(fake_vl
     seconds = mic.timed(ARCHS)
     assert list(seconds) == ARCHS and all(s >= 0 for s in seconds.values())
     assert mic.stale(ARCHS) == []
+
+
+def test_the_architectures_are_the_models_and_the_drafter_vllm_maps_it_to(fake_vllm, tmp_path):
+    pytest.importorskip("transformers")
+    from dsa_image.tiny_model import write_model
+
+    write_model(tmp_path / "model")
+    assert mic.architectures(tmp_path / "model") == ARCHS
 
 
 def test_an_architecture_vllm_does_not_register_is_refused(fake_vllm):
