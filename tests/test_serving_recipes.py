@@ -651,6 +651,17 @@ def test_validation_runner_serves_asks_and_records(tmp_path):
     assert summary["ok"] and [r["run"] for r in summary["runs"]] == ["glm-5.2-nvfp4-8xspark"]
 
 
+def test_validation_runner_records_a_cold_home_it_cannot_make_and_serves_nothing(tmp_path):
+    site, out = fake_vllm_site(tmp_path), tmp_path / "out"
+    (site / "vllm" / "model_executor" / "models" / "registry.py").unlink()
+    code = scaled.main(["--out", str(out), "--work", str(tmp_path / "work"), "--only", "tiny-glm5",
+                        "--site-packages", str(site), "--port", str(free_port()), "--timeout", "60"])
+    result = __import__("json").loads((out / "tiny-glm5.json").read_text())
+    assert code == 1 and not result["ok"]
+    assert result["error"].startswith("RuntimeError: model_info_cache fill exited with")
+    assert "healthy_after_s" not in result and (out / "tiny-glm5.log").read_text() == ""
+
+
 def test_validation_runner_reports_a_server_that_dies(tmp_path, monkeypatch):
     site, out = fake_vllm_site(tmp_path), tmp_path / "out"
     real = scaled.scale_down

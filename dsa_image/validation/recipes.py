@@ -307,16 +307,16 @@ def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, s
     env = {**os.environ, **run.env, "HOME": str(home), **cache_env(str(home))}
     if site:
         env["PYTHONPATH"] = pythonpath(site)
-    model_info_cache.ship_into(home, model_info_cache.fill_with(python, env, model, work / "model-info"))
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *args]
     result = {"run": run.name, "recipes": list(run.recipes), "command": cmd[3:], "env": run.env,
               "changes": [asdict(c) for c in run.changes]}
     log_path = out / f"{run.name}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=home,
-                                start_new_session=True)
-        server = {"proc": proc}
+        server = {"proc": None}
         try:
+            model_info_cache.ship_into(home, model_info_cache.fill_with(python, env, model, work / "model-info"))
+            server["proc"] = proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=home,
+                                                     start_new_session=True)
             result["healthy_after_s"] = wait_healthy(proc, port, log_path, timeout)
             batch = prompts()
             short, long_ = batch[0][:SHORT_PROMPT], batch[3][:LONG_PROMPT]
@@ -326,7 +326,8 @@ def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, s
         except Exception as exc:  # noqa: BLE001 - recorded; the server is stopped below
             result["error"] = f"{type(exc).__name__}: {exc}"
         finally:
-            stop(server)
+            if server["proc"] is not None:
+                stop(server)
     result["ok"] = bool("error" not in result and result.get("short", {}).get("ok")
                         and result.get("long", {}).get("ok"))
     result["log"] = log_path.name

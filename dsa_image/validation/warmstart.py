@@ -171,7 +171,7 @@ def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Pa
     homes = {side: work_dir / f"home-{side}" for side in sides}
     if empty_first:
         try:
-            # Side by side: on the H200 one vLLM inspection took 42-44 s a class.
+            # Side by side: the 8x B200 recipe's H200 start had 42-44 s a class before it resolved.
             with ThreadPoolExecutor(len(sides)) as pool:
                 entries = dict(zip(sides, pool.map(lambda side: model_info_cache.fill_with(
                     sys.executable, serving.server_env(sides[side], str(work_dir / f"model-info-{side}" / "home")),
