@@ -25,6 +25,7 @@ architecture vLLM does not register).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -70,33 +71,43 @@ def _registered(arch: str):
     return ModelRegistry, model
 
 
+@contextlib.contextmanager
+def inspections_run_by(runner):
+    """vLLM's registry with `runner` in place of the subprocess it inspects a model class in."""
+    from vllm.model_executor.models import registry
+
+    original = registry._run_in_subprocess
+    registry._run_in_subprocess = runner
+    try:
+        yield
+    finally:
+        registry._run_in_subprocess = original
+
+
 def fill(archs: list[str]) -> list[Path]:
-    """Inspect each architecture as vLLM does at start-up, which writes its cache file."""
+    """Inspect each architecture as vLLM does at start-up, which writes its cache file. In this
+    process: vLLM uses a subprocess to keep CUDA uninitialised, and there is no GPU at build
+    time; under QEMU (the arm64 build) the parent waited forever on that child (2026-12-01)."""
     written = []
-    for arch in archs:
-        registry, model = _registered(arch)
-        if registry._try_inspect_model_cls(arch) is None:
-            raise ModelInfoError(STALE, f"{arch}: vLLM could not inspect the model class (its log above says why)")
-        path = model._get_cache_dir() / model._get_cache_filename()
-        if not path.is_file():
-            raise ModelInfoError(STALE, f"{arch}: inspected, but vLLM wrote no {path}")
-        written.append(path)
+    with inspections_run_by(lambda inspect: inspect()):
+        for arch in archs:
+            registry, model = _registered(arch)
+            if registry._try_inspect_model_cls(arch) is None:
+                raise ModelInfoError(STALE, f"{arch}: vLLM could not inspect the model class (its log above says why)")
+            path = model._get_cache_dir() / model._get_cache_filename()
+            if not path.is_file():
+                raise ModelInfoError(STALE, f"{arch}: inspected, but vLLM wrote no {path}")
+            written.append(path)
     return written
 
 
 def stale(archs: list[str]) -> list[str]:
     """The architectures vLLM would inspect again in a subprocess: no entry, or one for other sources."""
-    from vllm.model_executor.models import registry as registry_module
-
-    def refuse(_fn):
+    def refuse(_inspect):
         raise RuntimeError("the model-info cache missed")
 
-    original = registry_module._run_in_subprocess
-    registry_module._run_in_subprocess = refuse
-    try:
+    with inspections_run_by(refuse):
         return [arch for arch in archs if _registered(arch)[0]._try_inspect_model_cls(arch) is None]
-    finally:
-        registry_module._run_in_subprocess = original
 
 
 def timed(archs: list[str]) -> dict[str, float]:

@@ -81,16 +81,28 @@ def test_an_architecture_vllm_does_not_register_is_refused(fake_vllm):
     assert exc.value.code == mic.BAD_INPUT
 
 
-def test_a_failed_inspection_fails_fill(fake_vllm):
+def test_a_failed_inspection_fails_fill(fake_vllm, monkeypatch):
     registry, _ = fake_vllm
 
-    def broken(_fn):
+    def broken(self):
         raise ImportError("no module named deep_gemm")
 
-    registry._run_in_subprocess = broken
+    monkeypatch.setattr(registry._LazyRegisteredModel, "inspect", broken)
     with pytest.raises(mic.ModelInfoError, match="could not inspect") as exc:
         mic.fill(ARCHS)
     assert exc.value.code == mic.STALE
+
+
+def test_fill_inspects_in_this_process_and_gives_vllm_its_subprocess_back(fake_vllm):
+    """Under QEMU (the arm64 build) vLLM's inspection subprocess left its parent waiting forever."""
+    registry, _ = fake_vllm
+
+    def no_subprocess(_inspect):
+        raise AssertionError("fill started a subprocess")
+
+    registry._run_in_subprocess = no_subprocess
+    mic.fill(ARCHS)
+    assert registry._run_in_subprocess is no_subprocess
 
 
 def test_a_directory_without_config_json_is_bad_input(tmp_path, capsys):
