@@ -149,11 +149,21 @@ RUN python -B /tmp/dsa-image/tool/scripts/make_tiny_model.py /tiny-glm5
 # an empty cache (18-19 s for the two in this image on a 2-core CPU; docs/image.md): the info of
 # GLM-5.x's class and its MTP drafter's, keyed by their modules' source. Before the overlay, which does not
 # touch those modules; the test stage checks the entries are fresh against the overlaid site.
+# Built under emulation (BUILDPLATFORM != TARGETPLATFORM: the arm64 image on an x86-64 host,
+# QEMU) the step says so and ships none: there `import torch` in a build step stopped for good
+# after reading /sys/devices/system/cpu (twice, 2026-12-01); vLLM then inspects at first start.
 FROM extras AS model-info
+ARG BUILDPLATFORM
+ARG TARGETPLATFORM
 COPY dsa_image/__init__.py dsa_image/compile_caches.py dsa_image/model_info_cache.py /tmp/dsa-image/tool/dsa_image/
 COPY --from=tiny-model /tiny-glm5 /tmp/dsa-image/tiny-glm5
-RUN PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.model_info_cache fill \
-        --model /tmp/dsa-image/tiny-glm5 --cache-root /model-info
+RUN if [[ "${BUILDPLATFORM}" != "${TARGETPLATFORM}" ]]; then \
+        mkdir -p /model-info/modelinfos; \
+        echo "model-info: built for ${TARGETPLATFORM} on ${BUILDPLATFORM} (emulated): no model info cached; vLLM inspects the model classes at first start"; \
+    else \
+        PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.model_info_cache fill \
+            --model /tmp/dsa-image/tiny-glm5 --cache-root /model-info; \
+    fi
 
 # ---------------------------------------------------------------------------------------------
 FROM extras AS overlay
