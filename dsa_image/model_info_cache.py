@@ -86,8 +86,8 @@ def inspections_run_by(runner):
 
 def fill(archs: list[str]) -> list[Path]:
     """Inspect each architecture as vLLM does at start-up, which writes its cache file. In this
-    process: vLLM uses a subprocess to keep CUDA uninitialised, and there is no GPU at build
-    time; under QEMU (the arm64 build) the parent waited forever on that child (2026-12-01)."""
+    process, not one subprocess per class: vLLM's subprocess keeps CUDA uninitialised in a
+    server, and this process serves nothing."""
     written = []
     with inspections_run_by(lambda inspect: inspect()):
         for arch in archs:

@@ -94,7 +94,7 @@ def test_a_failed_inspection_fails_fill(fake_vllm, monkeypatch):
 
 
 def test_fill_inspects_in_this_process_and_gives_vllm_its_subprocess_back(fake_vllm):
-    """Under QEMU (the arm64 build) vLLM's inspection subprocess left its parent waiting forever."""
+    """One process for every class; vLLM's subprocess is for keeping CUDA out of a server."""
     registry, _ = fake_vllm
 
     def no_subprocess(_inspect):
