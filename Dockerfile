@@ -149,7 +149,7 @@ RUN python -B /tmp/dsa-image/tool/scripts/make_tiny_model.py /tiny-glm5
 # an empty cache (18-19 s for the two in this image on a 2-core CPU; docs/image.md): the info of
 # GLM-5.x's class and its MTP drafter's, keyed by their modules' source. Before the overlay, which does not
 # touch those modules; the test stage checks the entries are fresh against the overlaid site.
-# Built under emulation (BUILDPLATFORM != TARGETPLATFORM: the arm64 image on an x86-64 host,
+# Cross-built under QEMU (BUILDPLATFORM != TARGETPLATFORM: the arm64 image on an x86-64 host,
 # QEMU) the step says so and ships none: there `import torch` in a build step stopped for good
 # after reading /sys/devices/system/cpu (twice, 2026-12-01); vLLM then inspects at first start.
 FROM extras AS model-info
