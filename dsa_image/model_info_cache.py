@@ -71,6 +71,15 @@ def _registered(arch: str):
     return ModelRegistry, model
 
 
+def _inspect(arch: str):
+    """vLLM's start-up lookup of one architecture (from the cache, else inspecting it); its
+    registry entry."""
+    registry, model = _registered(arch)
+    if registry._try_inspect_model_cls(arch) is None:
+        raise ModelInfoError(STALE, f"{arch}: vLLM could not inspect the model class (its log above says why)")
+    return model
+
+
 @contextlib.contextmanager
 def inspections_run_by(runner):
     """vLLM's registry with `runner` in place of the subprocess it inspects a model class in."""
@@ -91,9 +100,7 @@ def fill(archs: list[str]) -> list[Path]:
     written = []
     with inspections_run_by(lambda inspect: inspect()):
         for arch in archs:
-            registry, model = _registered(arch)
-            if registry._try_inspect_model_cls(arch) is None:
-                raise ModelInfoError(STALE, f"{arch}: vLLM could not inspect the model class (its log above says why)")
+            model = _inspect(arch)
             path = model._get_cache_dir() / model._get_cache_filename()
             if not path.is_file():
                 raise ModelInfoError(STALE, f"{arch}: inspected, but vLLM wrote no {path}")
@@ -115,10 +122,8 @@ def timed(archs: list[str]) -> dict[str, float]:
     subprocess (and caching) when it misses."""
     seconds = {}
     for arch in archs:
-        registry, _ = _registered(arch)
         started = time.perf_counter()
-        if registry._try_inspect_model_cls(arch) is None:
-            raise ModelInfoError(STALE, f"{arch}: vLLM could not inspect the model class (its log above says why)")
+        _inspect(arch)
         seconds[arch] = round(time.perf_counter() - started, 2)
     return seconds
 
