@@ -148,6 +148,16 @@ def ship_into(home: Path, entries: Path) -> None:
     shutil.copytree(entries, Path(cache_env(str(home))["VLLM_CACHE_ROOT"]) / "modelinfos")
 
 
+def image_home(home: Path, entries: Path) -> Path:
+    """HOME as the image's at a first `docker run`: no compile cache, the shipped model info.
+    One kept from an earlier run is removed first: its compile caches may be half-written (a
+    killed call), and an empty DeepGEMM JIT cache directory in it made vLLM's `import deep_gemm`
+    find a namespace package and report DeepGEMM unavailable."""
+    shutil.rmtree(home, ignore_errors=True)
+    ship_into(home, entries)
+    return home
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="Exit codes: 0 done / fresh; 1 missing or stale; 2 bad input.")

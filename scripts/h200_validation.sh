@@ -16,7 +16,8 @@
 #            the overlay site and apply the base's overlay there with our tool, verify, check
 #            which torch and CUDA libraries the site loads (torch_libs), make the tiny GLM-5;
 #            then run the indexer metadata probe on both (equivalence, syncs, block-table
-#            width, b12x metadata path) and compare.
+#            width, b12x metadata path) and compare; last, make the model info the image
+#            ships, per side (/tmp/model-info-X.Y.Z), for the mtp, longctx and deploy servers.
 #   prepare  the install phase without the probes (to serve on a fresh machine).
 #   hosttime build() host time, stock and overlay interleaved in one process.
 #   toolchain the smoke test with the image's pip CUDA toolkit as the only toolkit.
@@ -24,7 +25,8 @@
 #            (token equivalence, JIT during inference).
 #   smoke    the smoke test's local runtime against the overlay, CUDA graphs on (SMOKE_ARGS,
 #            SMOKE_LABEL: e.g. TP=2 over Ray on two GPUs).
-#   mtp      stock vs overlay served with MTP, CUDA graphs on, on both indexer decode paths:
+#   mtp      stock vs overlay served with MTP, CUDA graphs on, on both indexer decode paths
+#            (mtp, longctx, deploy: MODES_TIMEOUT_S, default 480, for the servers to be healthy):
 #            1 and 3 speculative tokens on 0.24.0 (native, flattened), 2 and 3 on 0.33.0
 #            (flattened, native: 0.33.0 takes next_n=4 natively on sm_90).
 #   longctx  stock vs overlay at max_model_len 65536, prompts of 20k-65k tokens,
@@ -78,6 +80,7 @@ site_overlay=$root/site-overlay-$vllm
 model=$root/tiny-glm5  # written from the repository alone: the same for every base
 cuda_pip=$root/cuda-pip-$vllm toolchain_home=$root/home-toolchain-$vllm
 bench_work=$root/bench-work-$vllm warmstart_homes=$root/warmstart-homes-$vllm
+model_info=$root/model-info-$vllm
 manifest=$repo/overlay/vllm-$vllm/manifest.json
 out=${OUT:-/tmp/out}
 results=${RESULTS_DIR:-$root/results-$vllm}
@@ -296,15 +299,27 @@ from dsa_image.tiny_model import MTP_CONFIG, write_model
 write_model(Path(sys.argv[1]), MTP_CONFIG)' "$model-mtp" || exit 1
 }
 
+# The model info the image ships, made once per side while install has time to spare: the mode
+# servers then start as the image's do (a cold 0.33.0 server spent 42-44 s a class inspecting).
+model_infos() {
+  log "model info as the image ships it, per side, into $model_info"
+  mtp_model
+  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving_modes --model-info-only \
+    --model "$model" --mtp-model "$model-mtp" --stock-site "$site_stock" --overlay-site "$site_overlay" \
+    --model-info-root "$model_info" --out "$results/model-info" --vllm "$vllm") > "$results/model-info.log" 2>&1
+  echo "model info exit: $?" | tee -a "$results/model-info.log"
+  tail -3 "$results/model-info.log"
+}
+
 # mtp, longctx, deploy: four servers each (two modes), started together; CUDA graphs on.
 modes() {
   local name=$1 list=$2
   log "serving modes $list: stock vs overlay, side by side"
   mtp_model
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving_modes --modes "$list" \
-    --model "$model" --mtp-model "$model-mtp" \
-    --stock-site "$site_stock" --overlay-site "$site_overlay" --out "$results/$name" --timeout 480 \
-    --vllm "$vllm") > "$results/$name.log" 2>&1
+    --model "$model" --mtp-model "$model-mtp" --model-info-root "$model_info" \
+    --stock-site "$site_stock" --overlay-site "$site_overlay" --out "$results/$name" \
+    --timeout "${MODES_TIMEOUT_S:-480}" --vllm "$vllm") > "$results/$name.log" 2>&1
   echo "$name exit: $?" | tee -a "$results/$name.log"
   grep -E "PASS|FAIL|error" "$results/$name.log" | tail -20
   cp "$results/$name/serving-modes.json" "$out/$name-serving-modes.json" 2>/dev/null
@@ -438,7 +453,7 @@ collect() {
 case $phase in
   receive) receive ;;
   inventory) environment; inventory ;;
-  install) environment; install; probes; collect ;;
+  install) environment; install; probes; model_infos; collect ;;
   prepare) environment; install; collect ;;
   hosttime) hosttime ;;
   toolchain) environment; toolchain; collect ;;

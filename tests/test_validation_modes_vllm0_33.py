@@ -180,6 +180,56 @@ def test_a_whole_run_reports_its_paths_and_passes_on_tokens_alone(tmp_path, tiny
     assert json.loads(doc["modes"]["mtp2"]["server_args"][3])["num_speculative_tokens"] == 2
     assert "mtp2: PASS; paths NOT as on an H200 with vLLM 0.24.0 (FLASHMLA_SPARSE, next_n=3 flattened)" \
         in capsys.readouterr().out
+    # Each server started from the image's HOME: the model info its side's vLLM made, nothing else.
+    for side in ("stock", "overlay"):
+        home = tmp_path / "out" / "work" / f"home-mtp2-{side}"
+        made = tmp_path / "out" / "work" / "model-info" / f"{side}-{tiny_model.name}" / "modelinfos"
+        assert sorted(p.name for p in (home / ".cache" / "vllm" / "modelinfos").iterdir()) \
+            == sorted(p.name for p in made.iterdir()) \
+            == ["vllm-models-fake-DeepseekV32MTPModel.json", "vllm-models-fake-GlmMoeDsaForCausalLM.json"]
+
+
+def _modes_args(tmp_path, model: Path, stock: Path, overlay: Path, *more: str) -> list[str]:
+    return ["--model", str(model), "--stock-site", str(stock), "--overlay-site", str(overlay),
+            "--out", str(tmp_path / "out"), "--model-info-root", str(tmp_path / "model-info"), *more]
+
+
+def test_model_info_is_made_once_per_side_from_the_mtp_model_and_kept(tmp_path, tiny_model, capsys):  # noqa: F811
+    from dsa_image.tiny_model import MTP_CONFIG, write_model
+
+    mtp = tmp_path / "tiny-mtp"
+    write_model(mtp, MTP_CONFIG)
+    stock, overlay = fake_vllm_site(tmp_path / "stock"), fake_vllm_site(tmp_path / "overlay")
+    args = _modes_args(tmp_path, tiny_model, stock, overlay, "--mtp-model", str(mtp), "--model-info-only")
+    assert serving_modes.main(args) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made == {side: str(tmp_path / "model-info" / f"{side}-tiny-mtp" / "modelinfos") for side in ("stock", "overlay")}
+    # Made from the MTP model: its classes cover the base model's too.
+    for entries in made.values():
+        assert sorted(p.name for p in Path(entries).iterdir()) == [
+            "vllm-models-fake-DeepseekV32MTPModel.json", "vllm-models-fake-GlmMoeDsaForCausalLM.json"]
+    assert not list((tmp_path / "out").glob("server-*.log"))  # no server started
+    # Kept: a second call (the serving phase after install) makes nothing again.
+    stamp = {p: p.stat().st_mtime_ns for p in (tmp_path / "model-info").rglob("*.json")}
+    (stock / "vllm" / "model_executor" / "models" / "registry.py").unlink()  # would fail a new fill
+    assert serving_modes.main(args) == 0
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "model-info").rglob("*.json")} == stamp
+
+
+def test_a_side_whose_vllm_cannot_make_the_model_info_starts_no_server(tmp_path, tiny_model):  # noqa: F811
+    stock, overlay = fake_vllm_site(tmp_path / "stock"), fake_vllm_site(tmp_path / "overlay")
+    (overlay / "vllm" / "model_executor" / "models" / "registry.py").unlink()
+    with pytest.raises(SystemExit, match=r"the model info the image ships, for .*: RuntimeError: "
+                                         r"model_info_cache fill exited with 1"):
+        serving_modes.main(_modes_args(tmp_path, tiny_model, stock, overlay, "--modes", "fp8",
+                                       "--port-base", str(free_ports(2))))
+    assert not list((tmp_path / "out").glob("server-*.log"))
+
+
+def test_modes_or_model_info_only_is_required(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        serving_modes.parse_args(["--model", "m", "--stock-site", "s", "--overlay-site", "o", "--out", str(tmp_path)])
+    assert "expected --modes (or --model-info-only)" in capsys.readouterr().err
 
 
 # -- the warm start: what compiled, and when ----------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -283,16 +282,6 @@ def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout: flo
         time.sleep(poll_s)
 
 
-def fresh_home(home: Path) -> Path:
-    """An empty HOME for one run. One kept from an earlier run is removed: its compile caches may
-    be half-written (a killed call), and its DeepGEMM JIT cache directory made vLLM's
-    `import deep_gemm` find an empty namespace package and report DeepGEMM unavailable."""
-    if home.exists():
-        shutil.rmtree(home)
-    home.mkdir(parents=True)
-    return home
-
-
 def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, site: str | None, port: int,
               timeout: float) -> dict:
     served = run.args[run.args.index("--served-model-name") + 1]
@@ -303,7 +292,7 @@ def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, s
                        f"server (one left running by an earlier call?) would answer for it; stop it or pass --port")
     # Compile caches per run, laid out as the image's (compile_caches.py), outside the results,
     # from empty each run but for what the image ships: the model info (model_info_cache.py).
-    home = fresh_home(work / f"home-{run.name}")
+    home = work / f"home-{run.name}"
     env = {**os.environ, **run.env, "HOME": str(home), **cache_env(str(home))}
     if site:
         env["PYTHONPATH"] = pythonpath(site)
@@ -314,7 +303,7 @@ def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, s
     with open(log_path, "w") as log:
         server = {"proc": None}
         try:
-            model_info_cache.ship_into(home, model_info_cache.fill_with(python, env, model, work / "model-info"))
+            model_info_cache.image_home(home, model_info_cache.fill_with(python, env, model, work / "model-info"))
             server["proc"] = proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=home,
                                                      start_new_session=True)
             result["healthy_after_s"] = wait_healthy(proc, port, log_path, timeout)

@@ -3,7 +3,8 @@
 MTP speculative decoding, long context and the fp8 KV cache, with CUDA graphs on (default flags).
 
 Each mode starts one stock and one overlay server (all modes' servers at once, side by side on
-one GPU, each with its own HOME and the same fixed KV-cache size), sends each server the same
+one GPU, each with the same fixed KV-cache size and its own HOME, as the image's at a first
+`docker run`: the model info it ships, no compile cache), sends each server the same
 greedy requests, one by one and then as one batch, and compares the token ids, texts and logprobs.
 The modes:
 
@@ -31,7 +32,8 @@ JIT-compiled during inference.
 
 Stdlib only (and the repository). Usage:
     python -m dsa_image.validation.serving_modes --modes mtp1,mtp3 --model DIR --mtp-model DIR \\
-        --stock-site S --overlay-site O --out DIR [--vllm X.Y.Z]
+        --stock-site S --overlay-site O --out DIR [--vllm X.Y.Z] [--model-info-root DIR]
+    python -m dsa_image.validation.serving_modes --model-info-only --model-info-root DIR ...
 """
 
 from __future__ import annotations
@@ -44,12 +46,15 @@ import random
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from dsa_image import model_info_cache
 from dsa_image.dist_info import installed_versions
 from dsa_image.spec_decode_metrics import acceptance, counter_delta, settled_spec_counters
 from dsa_image.validation import serving, vllm_base
@@ -348,14 +353,38 @@ def model_for(mode: Mode, args, work_dir: Path) -> str:
                                   mode.max_model_len))
 
 
-def start_mode(mode: Mode, model: str, index: int, args, work_dir: Path, out_dir: Path) -> dict:
+def model_info_entries(args, work_dir: Path) -> dict[str, Path]:
+    """Per side, the model-info entries the image ships (dsa_image/model_info_cache.py), made by
+    that side's vLLM, both sides at once (42-44 s a class on the H200). They are kept in
+    --model-info-root, where an earlier call (the H200 script's install phase) may have made
+    them: each server then starts as the image does, without inspecting model classes. Made from
+    the MTP model where there is one: its classes include the base model's."""
+    source = Path(args.mtp_model or args.model)
+    root = Path(args.model_info_root or work_dir / "model-info")
+    sides = {"stock": args.stock_site, "overlay": args.overlay_site}
+
+    def fill(side: str) -> Path:
+        cache_root = root / f"{side}-{source.name}"
+        return model_info_cache.fill_with(sys.executable, serving.server_env(sides[side], str(cache_root / "home")),
+                                          source, cache_root)
+
+    try:
+        with ThreadPoolExecutor(len(sides)) as pool:
+            return dict(zip(sides, pool.map(fill, sides)))
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"the model info the image ships, for {source}: {type(exc).__name__}: {exc}") from None
+
+
+def start_mode(mode: Mode, model: str, index: int, args, work_dir: Path, out_dir: Path,
+               entries: dict[str, Path]) -> dict:
     common = [*mode.server_args(), "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
               "--gpu-memory-utilization", str(args.gpu_memory_utilization), *shlex.split(args.server_args)]
     servers = {}
     for offset, (side, site) in enumerate((("stock", args.stock_site), ("overlay", args.overlay_site))):
         name = f"{mode.name}-{side}"
+        home = model_info_cache.image_home(work_dir / f"home-{name}", entries[side])
         servers[side] = serving.start_server(name, site, model, args.port_base + 2 * index + offset,
-                                             str(out_dir), common, home=str(work_dir / f"home-{name}"),
+                                             str(out_dir), common, home=str(home),
                                              max_model_len=mode.max_model_len)
     return {"mode": mode, "model": model, "servers": servers}
 
@@ -438,7 +467,7 @@ def annotate(runs: list[dict], reports: dict, base: str | None = None) -> None:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", required=True, help=f"comma-separated, of: {', '.join(MODES)}; or {MTP_PATHS}: "
+    parser.add_argument("--modes", help=f"comma-separated, of: {', '.join(MODES)}; or {MTP_PATHS}: "
                         "the base's MTP modes, one per indexer decode path")
     parser.add_argument("--model", required=True, help="the tiny GLM-5 (scripts/make_tiny_model.py)")
     parser.add_argument("--mtp-model", help="the tiny GLM-5 with its MTP layer (for the MTP modes)")
@@ -446,6 +475,10 @@ def parse_args(argv):
     parser.add_argument("--overlay-site", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--work-dir", help="servers' HOMEs and derived models (default: OUT/work)")
+    parser.add_argument("--model-info-root", help="where each side's model-info entries are made once and kept "
+                        "(default: WORK_DIR/model-info)")
+    parser.add_argument("--model-info-only", action="store_true",
+                        help="make the model-info entries in --model-info-root and stop (no server starts)")
     parser.add_argument("--port-base", type=int, default=8300)
     parser.add_argument("--timeout", type=float, default=600, help="seconds for all servers to become healthy")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
@@ -455,7 +488,9 @@ def parse_args(argv):
     parser.add_argument("--vllm", help="the vLLM base the sites hold (default: read from them); "
                         "picks the decode paths and backends expected on the H200")
     args = parser.parse_args(argv)
-    unknown = [m for m in args.modes.split(",") if m not in MODES] if args.modes != MTP_PATHS else []
+    if not args.modes and not args.model_info_only:
+        parser.error("expected --modes (or --model-info-only)")
+    unknown = [m for m in (args.modes or "").split(",") if m and m not in MODES] if args.modes != MTP_PATHS else []
     if unknown:
         parser.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
     return args
@@ -464,17 +499,21 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     base = resolve_base(args.vllm, [args.stock_site, args.overlay_site])
-    names = decode_path_modes(base) if args.modes == MTP_PATHS else args.modes.split(",")
     out_dir = Path(args.out)
     work_dir = Path(args.work_dir or out_dir / "work")
     out_dir.mkdir(parents=True, exist_ok=True)
     work_dir.mkdir(parents=True, exist_ok=True)
+    if args.model_info_only:
+        print(json.dumps({side: str(path) for side, path in model_info_entries(args, work_dir).items()}))
+        return 0
+    names = decode_path_modes(base) if args.modes == MTP_PATHS else args.modes.split(",")
     # Every model first: a missing one stops the run before any server starts.
     chosen = [(MODES[m], model_for(MODES[m], args, work_dir)) for m in names]
+    entries = model_info_entries(args, work_dir)
     runs: list[dict] = []
     try:
         for i, (mode, model) in enumerate(chosen):
-            runs.append(start_mode(mode, model, i, args, work_dir, out_dir))
+            runs.append(start_mode(mode, model, i, args, work_dir, out_dir, entries))
         reports = run_modes(runs, args)
     finally:
         stop_all(runs)

@@ -40,7 +40,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -160,12 +159,6 @@ def measure_side(server: dict, step: str, run_warmup: bool, token_ids: list[int]
     return result
 
 
-def empty_as_the_image(home: Path, entries: Path) -> None:
-    """HOME as the image's at a first `docker run`: no compile cache, the shipped model info."""
-    shutil.rmtree(home, ignore_errors=True)
-    model_info_cache.ship_into(home, entries)
-
-
 def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Path) -> dict:
     empty_first, run_warmup = STEPS[step]
     homes = {side: work_dir / f"home-{side}" for side in sides}
@@ -177,7 +170,7 @@ def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Pa
                     sys.executable, serving.server_env(sides[side], str(work_dir / f"model-info-{side}" / "home")),
                     Path(args.model), work_dir / f"model-info-{side}"), sides)))
             for side in sides:
-                empty_as_the_image(homes[side], entries[side])
+                model_info_cache.image_home(homes[side], entries[side])
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
             return {"empty_caches_at_start": True, "warmup": run_warmup, "sides": {},
                     "error": f"the image's cold HOME: {type(exc).__name__}: {exc}"}
