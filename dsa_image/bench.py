@@ -42,6 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dsa_image import model_info_cache
 from dsa_image.site_path import pythonpath
 from dsa_image.spec_decode_metrics import (
     SPEC_COUNTERS,
@@ -451,7 +452,12 @@ def _home(work_dir: Path, group: str, side: str) -> Path:
 
 
 def caches_present(homes: list[Path]) -> bool:
-    return all(h.is_dir() and any(h.iterdir()) for h in homes)
+    """Every HOME holds compile caches: a file besides the model info the image ships."""
+    def compiled(home: Path) -> bool:
+        shipped = model_info_cache.shipped_dir(home)
+        return home.is_dir() and any(p.is_file() and shipped not in p.parents for p in home.rglob("*"))
+
+    return all(compiled(h) for h in homes)
 
 
 def model_dirs(args, work_dir: Path, plan: Plan) -> dict[str, str]:
@@ -467,8 +473,27 @@ def model_dirs(args, work_dir: Path, plan: Plan) -> dict[str, str]:
     return dirs
 
 
+def image_homes(plan: Plan, builds: list[Build], work_dir: Path, dirs: dict[str, str]) -> None:
+    """Each HOME without caches starts as the image's first `docker run` does: with the model info
+    the image ships (serving.image_model_info), made once per build from the MTP model where a
+    group serves it (its classes include the base model's). A HOME with caches is kept as it is."""
+    empty = [(home, build) for group in plan.groups for build in builds
+             if not caches_present([home := _home(work_dir, group.name, build.side)])]
+    if not empty:
+        return
+    source = Path(dirs.get("mtp", dirs["base"]))
+    try:
+        entries = serving.image_model_info({b.side: (b.python or sys.executable, b.site) for b in builds},
+                                           source, work_dir / "model-info")
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        raise SystemExit(f"the model info the image ships, for {source}: {type(exc).__name__}: {exc}") from None
+    for home, build in empty:
+        model_info_cache.image_home(home, entries[build.side])
+
+
 def start_servers(args, plan: Plan, builds: list[Build], work_dir: Path, out_dir: Path) -> list[dict]:
     dirs = model_dirs(args, work_dir, plan)
+    image_homes(plan, builds, work_dir, dirs)
     servers = []
     for gi, group in enumerate(plan.groups):
         for si, build in enumerate(builds):

@@ -143,9 +143,13 @@ def fill_with(python: str, env: dict, model: Path, cache_root: Path, timeout: fl
     return entries
 
 
+def shipped_dir(home: Path) -> Path:
+    """Where the image has the entries: VLLM_CACHE_ROOT/modelinfos of this HOME."""
+    return Path(cache_env(str(home))["VLLM_CACHE_ROOT"]) / "modelinfos"
+
+
 def ship_into(home: Path, entries: Path) -> None:
-    """Put the entries where the image has them: VLLM_CACHE_ROOT/modelinfos of this HOME."""
-    shutil.copytree(entries, Path(cache_env(str(home))["VLLM_CACHE_ROOT"]) / "modelinfos")
+    shutil.copytree(entries, shipped_dir(home))
 
 
 def image_home(home: Path, entries: Path) -> Path:

@@ -633,6 +633,43 @@ def test_an_mtp_workload_whose_servers_made_no_drafts_fails(tmp_path, tiny_model
     assert w["summary"]["output_tok_s"]["n"] == w["rounds_done"] > 0  # the rounds themselves ran
 
 
+def _shipped(home: Path) -> list[str]:
+    return sorted(p.name for p in (home / ".cache" / "vllm" / "modelinfos").iterdir())
+
+
+def test_servers_without_caches_start_from_the_images_home_and_keep_theirs_after(tmp_path, tiny_model):
+    code, doc = _run_bench(tmp_path, tiny_model, "--workloads", "512x128-c1", "--rounds-scale", "0.1",
+                           "--requests-scale", "0.5", fake={"ttft_s": 0.002})
+    assert code == 0 and doc["caches_warm_at_start"] is False
+    homes = [tmp_path / "work" / f"home-base-{side}" for side in "AB"]
+    assert [_shipped(h) for h in homes] == [["vllm-models-fake-DeepseekV32MTPModel.json",
+                                             "vllm-models-fake-GlmMoeDsaForCausalLM.json"]] * 2
+    # The model info alone is not a compile cache: still cold.
+    assert bench.caches_present(homes) is False
+    for home in homes:
+        (home / ".cache" / "triton").mkdir(parents=True)
+        (home / ".cache" / "triton" / "kernel.bin").write_bytes(b"compiled")
+    assert bench.caches_present(homes) is True
+    # A second run keeps the HOMEs it finds with caches, model info included; nothing is made again.
+    made = sorted((tmp_path / "work" / "model-info").rglob("*.json"))
+    stamps = [p.stat().st_mtime_ns for p in made]
+    code, doc = _run_bench(tmp_path / "again", tiny_model, "--workloads", "512x128-c1", "--rounds-scale", "0.1",
+                           "--requests-scale", "0.5", "--work-dir", str(tmp_path / "work"), fake={"ttft_s": 0.002})
+    assert code == 0 and doc["caches_warm_at_start"] is True
+    assert all((h / ".cache" / "triton" / "kernel.bin").is_file() for h in homes)
+    assert [p.stat().st_mtime_ns for p in made] == stamps
+
+
+def test_a_build_whose_vllm_cannot_make_the_model_info_starts_no_server(tmp_path, tiny_model):
+    site = fake_vllm_site(tmp_path / "site")
+    (site / "vllm" / "model_executor" / "models" / "registry.py").unlink()
+    with pytest.raises(SystemExit, match="the model info the image ships, for .*model_info_cache fill exited with 1"):
+        bench.main(["run", "--a-site", str(site), "--b-site", str(site), "--model", str(tiny_model),
+                    "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), "--workloads", "512x128-c1",
+                    "--port-base", str(free_ports(2)), "--timeout", "30"])
+    assert not list((tmp_path / "out").glob("server-*.log"))
+
+
 def test_a_base_workload_needs_no_drafts(tmp_path, tiny_model):
     code, doc = _run_bench(tmp_path, tiny_model, "--workloads", "512x128-c1", "--rounds-scale", "0.1",
                            "--requests-scale", "0.5", fake={"ttft_s": 0.002})

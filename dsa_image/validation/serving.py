@@ -32,7 +32,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
+from dsa_image import model_info_cache
 from dsa_image.compile_caches import cache_env
 from dsa_image.site_path import pythonpath
 
@@ -63,6 +65,21 @@ def server_env(site: str, home: str, env_extra: dict | None = None) -> dict:
     os.makedirs(home, exist_ok=True)
     return {**os.environ, "PYTHONPATH": pythonpath(site), "HOME": home, **cache_env(home),
             **(env_extra or {})}
+
+
+def image_model_info(sides: dict[str, tuple[str, str]], model: Path, root: Path) -> dict[str, Path]:
+    """Per side (name: (python, site)), the model-info entries the image ships
+    (dsa_image/model_info_cache.py), made by that side's vLLM from `model`'s classes, all sides
+    at once (a cold 0.33.0 process on the H200 took 42-44 s a class), and kept under `root`:
+    made once per side and model. A HOME made from them with model_info_cache.image_home starts
+    a server as the image's first `docker run` does. Raises what model_info_cache.fill_with does."""
+    def fill(side: str) -> Path:
+        python, site = sides[side]
+        cache_root = Path(root) / f"{side}-{Path(model).name}"
+        return model_info_cache.fill_with(python, server_env(site, str(cache_root / "home")), Path(model), cache_root)
+
+    with concurrent.futures.ThreadPoolExecutor(len(sides)) as pool:
+        return dict(zip(sides, pool.map(fill, sides)))
 
 
 def start_server(name, site, model, port, out_dir, extra_args, *, home=None,

@@ -49,7 +49,6 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -354,23 +353,14 @@ def model_for(mode: Mode, args, work_dir: Path) -> str:
 
 
 def model_info_entries(args, work_dir: Path) -> dict[str, Path]:
-    """Per side, the model-info entries the image ships (dsa_image/model_info_cache.py), made by
-    that side's vLLM, both sides at once (42-44 s a class on the H200). They are kept in
-    --model-info-root, where an earlier call (the H200 script's install phase) may have made
-    them: each server then starts as the image does, without inspecting model classes. Made from
-    the MTP model where there is one: its classes include the base model's."""
+    """Per side, the model info the image ships (serving.image_model_info), kept in
+    --model-info-root, where an earlier call (the H200 script's install phase) may have made it.
+    Made from the MTP model where there is one: its classes include the base model's."""
     source = Path(args.mtp_model or args.model)
     root = Path(args.model_info_root or work_dir / "model-info")
-    sides = {"stock": args.stock_site, "overlay": args.overlay_site}
-
-    def fill(side: str) -> Path:
-        cache_root = root / f"{side}-{source.name}"
-        return model_info_cache.fill_with(sys.executable, serving.server_env(sides[side], str(cache_root / "home")),
-                                          source, cache_root)
-
     try:
-        with ThreadPoolExecutor(len(sides)) as pool:
-            return dict(zip(sides, pool.map(fill, sides)))
+        return serving.image_model_info({"stock": (sys.executable, args.stock_site),
+                                         "overlay": (sys.executable, args.overlay_site)}, source, root)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         raise SystemExit(f"the model info the image ships, for {source}: {type(exc).__name__}: {exc}") from None
 

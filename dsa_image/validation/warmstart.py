@@ -44,7 +44,6 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dsa_image import model_info_cache, warmup
@@ -164,11 +163,8 @@ def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Pa
     homes = {side: work_dir / f"home-{side}" for side in sides}
     if empty_first:
         try:
-            # Side by side: the 8x B200 recipe's H200 start had 42-44 s a class before it resolved.
-            with ThreadPoolExecutor(len(sides)) as pool:
-                entries = dict(zip(sides, pool.map(lambda side: model_info_cache.fill_with(
-                    sys.executable, serving.server_env(sides[side], str(work_dir / f"model-info-{side}" / "home")),
-                    Path(args.model), work_dir / f"model-info-{side}"), sides)))
+            entries = serving.image_model_info({side: (sys.executable, site) for side, site in sides.items()},
+                                               Path(args.model), work_dir / "model-info")
             for side in sides:
                 model_info_cache.image_home(homes[side], entries[side])
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
