@@ -38,6 +38,8 @@ from test_validation_vllm_base import fake_site  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 RUN2 = REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run2"
 RUN1 = REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0"
+# The first served MTP, 64k and fp8 KV runs of 0.33.0, and its warm start.
+RUN4 = REPO / "docs" / "validation" / "h200-2026-12-01-vllm0_33_0-run4"
 RECIPES_0_24 = REPO / "docs" / "validation" / "h200-2026-11-30-overlay-f1d4805b" / "recipes"
 TOOLCHAIN_0_24 = REPO / "docs" / "validation" / "h200-2026-11-30-overlay-c2b8469b" / "toolchain-server.log"
 WHEEL_0_33 = wheel_cache_path("vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl")
@@ -64,6 +66,52 @@ def test_the_h200_logs_of_0_33_show_the_paths_expected_for_0_33_and_not_0_24s():
     assert on_0_24["as_expected"] is False
     assert on_0_24["differences"]["overlay"] == [
         "attention backend ['FLASH_ATTN_MLA_SPARSE'], expected FLASHMLA_SPARSE"]
+
+
+RUN4_MODES = {"mtp2": "mtp", "mtp3": "mtp", "long-bf16": "longctx", "long-fp8": "longctx",
+              "fp8": "deploy", "long-fp8-mtp3": "deploy"}
+
+
+@pytest.mark.parametrize("mode", sorted(RUN4_MODES))
+def test_each_mode_served_on_0_33_ran_the_paths_it_was_meant_to_cover(mode):
+    # Re-judged from the recorded server logs alone, not from the run's own verdict.
+    phase = RUN4 / RUN4_MODES[mode]
+    logged = _logged(phase / f"server-{mode}-stock.log", phase / f"server-{mode}-overlay.log")
+    report = serving_modes.paths_report("0.33.0", serving_modes.MODES[mode], logged)
+    assert report["as_expected"] is True, report["differences"]
+    assert all(facts["errors"] == [] for facts in logged.values())
+    recorded = json.loads((phase / "serving-modes.json").read_text())["modes"][mode]
+    assert recorded["ok"] and serving.same_outputs(recorded["stock_vs_overlay"])
+
+
+def test_the_mtp_phase_of_0_33_covered_the_flattened_and_the_native_decode_path():
+    decode = {mode: _logged(RUN4 / "mtp" / f"server-{mode}-overlay.log", RUN4 / "mtp" / f"server-{mode}-stock.log")
+              for mode in ("mtp2", "mtp3")}
+    paths = {mode: serving_modes.logged_paths(logged["overlay"])["decode"] for mode, logged in decode.items()}
+    assert paths == {"mtp2": [{"next_n": 3, "flattened": True}], "mtp3": [{"next_n": 4, "flattened": False}]}
+
+
+def _seconds(line: str) -> int:
+    hours, minutes, seconds = re.search(r" (\d\d):(\d\d):(\d\d) ", line).groups()
+    return 3600 * int(hours) + 60 * int(minutes) + int(seconds)
+
+
+@pytest.mark.parametrize("log", sorted(RUN4.glob("*/server-*.log")), ids=lambda path: f"{path.parent.name}/{path.name}")
+def test_servers_started_from_the_images_home_resolve_their_model_classes_at_once(log):
+    # The model info the image ships was in each HOME: no 42-44 s inspection per class, as the
+    # 8x B200 recipe's server with an empty cache spent (run3).
+    lines = log.read_text(errors="replace").splitlines()
+    banner = next(line for line in lines if "[startup.py:" in line)
+    resolved = [line for line in lines if "Resolved architecture:" in line]
+    assert resolved and all(_seconds(line) - _seconds(banner) <= 1 for line in resolved)
+
+
+def test_the_recipe_server_with_an_empty_cache_took_tens_of_seconds_per_class():
+    lines = (REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run3" / "recipe-glm-5-fp8-8xb200.log"
+             ).read_text(errors="replace").splitlines()
+    banner = next(line for line in lines if "[startup.py:" in line)
+    resolved = [_seconds(line) for line in lines if "Resolved architecture:" in line]
+    assert [later - earlier for earlier, later in zip([_seconds(banner), *resolved], resolved)] == [42, 44]
 
 
 @pytest.mark.parametrize("log", sorted((REPO / "docs" / "validation").glob("h200-2026-11-30-overlay-*/serving-server-*.log")),
