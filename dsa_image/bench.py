@@ -473,27 +473,28 @@ def model_dirs(args, work_dir: Path, plan: Plan) -> dict[str, str]:
     return dirs
 
 
-def image_homes(plan: Plan, builds: list[Build], work_dir: Path, dirs: dict[str, str]) -> None:
+def image_homes(plan: Plan, builds: list[Build], work_dir: Path, dirs: dict[str, str], root: Path) -> None:
     """Each HOME without caches starts as the image's first `docker run` does: with the model info
     the image ships (serving.image_model_info), made once per build from the MTP model where a
-    group serves it (its classes include the base model's). A HOME with caches is kept as it is."""
+    group serves it (its classes include the base model's), keyed by the build's name as the other
+    harnesses key theirs (stock, overlay). A HOME with caches is kept as it is."""
     empty = [(home, build) for group in plan.groups for build in builds
              if not caches_present([home := _home(work_dir, group.name, build.side)])]
     if not empty:
         return
     source = Path(dirs.get("mtp", dirs["base"]))
     try:
-        entries = serving.image_model_info({b.side: (b.python or sys.executable, b.site) for b in builds},
-                                           source, work_dir / "model-info")
+        entries = serving.image_model_info({b.name: (b.python or sys.executable, b.site) for b in builds},
+                                           source, root)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         raise SystemExit(f"the model info the image ships, for {source}: {type(exc).__name__}: {exc}") from None
     for home, build in empty:
-        model_info_cache.image_home(home, entries[build.side])
+        model_info_cache.image_home(home, entries[build.name])
 
 
 def start_servers(args, plan: Plan, builds: list[Build], work_dir: Path, out_dir: Path) -> list[dict]:
     dirs = model_dirs(args, work_dir, plan)
-    image_homes(plan, builds, work_dir, dirs)
+    image_homes(plan, builds, work_dir, dirs, Path(args.model_info_root or work_dir / "model-info"))
     servers = []
     for gi, group in enumerate(plan.groups):
         for si, build in enumerate(builds):
@@ -829,6 +830,7 @@ def _add_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "dsa-bench"),
                         help="the servers' HOMEs (compile caches, kept between runs) and derived models")
     parser.add_argument("--fresh-caches", action="store_true", help="empty the servers' HOMEs first")
+    serving.add_model_info_root(parser)
     parser.add_argument("--port-base", type=int, default=8200)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
@@ -854,7 +856,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     plot_parser.add_argument("--out", help="directory for the PNGs (default: beside the first file)")
     table_parser = commands.add_parser("table", help="markdown table of the ratios")
     table_parser.add_argument("results", nargs="+")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.command == "run" and args.a_name == args.b_name:
+        # The names label the results and key each build's model info (shared with other harnesses).
+        run_parser.error(f"--a-name and --b-name must differ; both are {args.a_name!r}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,8 +17,11 @@
 #            which torch and CUDA libraries the site loads (torch_libs), make the tiny GLM-5;
 #            then run the indexer metadata probe on both (equivalence, syncs, block-table
 #            width, b12x metadata path) and compare; last, make the model info the image
-#            ships, per side (/tmp/model-info-X.Y.Z), for the mtp, longctx and deploy servers.
+#            ships, per side (model_infos).
 #   prepare  the install phase without the probes (to serve on a fresh machine).
+#            Both make the model info in /tmp/model-info-X.Y.Z: the mtp, longctx, deploy,
+#            warmstart and bench servers start from the entries there (made once a machine per
+#            model), as from the image's first docker run.
 #   hosttime build() host time, stock and overlay interleaved in one process.
 #   toolchain the smoke test with the image's pip CUDA toolkit as the only toolkit.
 #   serve    stock twice and the overlay once, served side by side, CUDA graphs on
@@ -299,8 +302,9 @@ from dsa_image.tiny_model import MTP_CONFIG, write_model
 write_model(Path(sys.argv[1]), MTP_CONFIG)' "$model-mtp" || exit 1
 }
 
-# The model info the image ships, made once per side while install has time to spare: the mode
-# servers then start as the image's do (a cold 0.33.0 server spent 42-44 s a class inspecting).
+# The model info the image ships, made once per side while install has time to spare: the
+# servers of later calls start as the image's do (a cold 0.33.0 server spent 42-44 s a class
+# inspecting). From the MTP model: its classes include the base model's.
 model_infos() {
   log "model info as the image ships it, per side, into $model_info"
   mtp_model
@@ -332,7 +336,7 @@ warmstart() {
   log "warm start: steps $steps, stock and overlay side by side"
   (cd /tmp && env -u VLLM_DISABLE_COMPILE_CACHE PYTHONPATH="$repo" python3 -m dsa_image.validation.warmstart \
     --model "$model" --stock-site "$site_stock" --overlay-site "$site_overlay" \
-    --out "$results/warmstart" --work-dir "$warmstart_homes" --steps "$steps") \
+    --out "$results/warmstart" --work-dir "$warmstart_homes" --model-info-root "$model_info" --steps "$steps") \
     > "$results/warmstart-$steps.log" 2>&1
   echo "warmstart exit: $?" | tee -a "$results/warmstart-$steps.log"
   tail -12 "$results/warmstart-$steps.log"
@@ -348,7 +352,7 @@ bench() {
   # shellcheck disable=SC2086  # BENCH_ARGS is split on purpose
   (cd /tmp && env -u VLLM_DISABLE_COMPILE_CACHE python3 "$repo/scripts/bench.py" run \
     --a-site "$site_stock" --b-site "$site_overlay" --a-name stock --b-name overlay \
-    --model "$model" --mtp-model "$model-mtp" --work-dir "$bench_work" \
+    --model "$model" --mtp-model "$model-mtp" --work-dir "$bench_work" --model-info-root "$model_info" \
     --out "$results/$label" --deadline-s "${BENCH_DEADLINE_S:-520}" ${BENCH_ARGS:-}) \
     > "$results/$label.log" 2>&1
   echo "bench exit: $?" | tee -a "$results/$label.log"
@@ -454,7 +458,7 @@ case $phase in
   receive) receive ;;
   inventory) environment; inventory ;;
   install) environment; install; probes; model_infos; collect ;;
-  prepare) environment; install; collect ;;
+  prepare) environment; install; model_infos; collect ;;
   hosttime) hosttime ;;
   toolchain) environment; toolchain; collect ;;
   serve) environment; serve; collect ;;

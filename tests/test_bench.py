@@ -660,6 +660,32 @@ def test_servers_without_caches_start_from_the_images_home_and_keep_theirs_after
     assert [p.stat().st_mtime_ns for p in made] == stamps
 
 
+def test_the_benchmark_starts_from_model_info_another_harness_made(tmp_path, tiny_model):
+    from dsa_image.validation import serving_modes
+
+    stock, overlay = fake_vllm_site(tmp_path / "stock"), fake_vllm_site(tmp_path / "overlay")
+    root = tmp_path / "model-info"
+    assert serving_modes.main(["--model-info-only", "--model", str(tiny_model), "--stock-site", str(stock),
+                               "--overlay-site", str(overlay), "--out", str(tmp_path / "modes"),
+                               "--model-info-root", str(root)]) == 0
+    for site in (stock, overlay):  # a new fill would fail: the benchmark must take what is there
+        (site / "vllm" / "model_executor" / "models" / "registry.py").unlink()
+    code = bench.main(["run", "--a-site", str(stock), "--b-site", str(overlay), "--model", str(tiny_model),
+                       "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"),
+                       "--model-info-root", str(root), "--workloads", "512x128-c1", "--rounds-scale", "0.1",
+                       "--requests-scale", "0.5", "--port-base", str(free_ports(2)), "--timeout", "60",
+                       "--resamples", "300"])
+    assert code == 0
+    assert _shipped(tmp_path / "work" / "home-base-A") == _shipped(tmp_path / "work" / "home-base-B") == [
+        "vllm-models-fake-DeepseekV32MTPModel.json", "vllm-models-fake-GlmMoeDsaForCausalLM.json"]
+
+
+def test_the_two_builds_need_two_names(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args([*_RUN_ARGS, "--a-name", "x", "--b-name", "x"])
+    assert "--a-name and --b-name must differ; both are 'x'" in capsys.readouterr().err
+
+
 def test_a_build_whose_vllm_cannot_make_the_model_info_starts_no_server(tmp_path, tiny_model):
     site = fake_vllm_site(tmp_path / "site")
     (site / "vllm" / "model_executor" / "models" / "registry.py").unlink()

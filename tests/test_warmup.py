@@ -533,6 +533,19 @@ def test_warmstart_attributes_compilations_to_the_first_request_or_the_warmup(tm
     assert shipped == ["vllm-models-fake-DeepseekV32MTPModel.json", "vllm-models-fake-GlmMoeDsaForCausalLM.json"]
 
 
+def test_a_cold_step_takes_the_model_info_kept_in_the_shared_root(tmp_path):
+    from dsa_image.tiny_model import write_model
+
+    write_model(tmp_path / "model")
+    site = fakes.fake_vllm_site(tmp_path / "site")
+    args = ["--model", str(tmp_path / "model"), "--overlay-site", str(site), "--model-info-root", str(tmp_path / "info"),
+            "--steps", "cold", "--timeout", "30"]
+    assert warmstart.main([*args, "--out", str(tmp_path / "first"), "--port-base", str(fakes.free_ports(1))]) == 0
+    (site / "vllm" / "model_executor" / "models" / "registry.py").unlink()  # a new fill would fail
+    assert warmstart.main([*args, "--out", str(tmp_path / "second"), "--port-base", str(fakes.free_ports(1))]) == 0
+    assert sorted(p.name for p in (tmp_path / "info").iterdir()) == ["overlay-model"]
+
+
 def test_a_cold_home_that_cannot_be_made_as_the_images_fails_the_step_not_the_run(tmp_path):
     from dsa_image.tiny_model import write_model
 

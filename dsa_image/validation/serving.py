@@ -82,6 +82,12 @@ def image_model_info(sides: dict[str, tuple[str, str]], model: Path, root: Path)
         return dict(zip(sides, pool.map(fill, sides)))
 
 
+def add_model_info_root(parser) -> None:
+    """--model-info-root, as every harness that starts servers from the image's HOME takes it."""
+    parser.add_argument("--model-info-root", help="where each side's model info (what the image ships) is made "
+                        "once and kept, to be shared by calls and harnesses (default: WORK_DIR/model-info)")
+
+
 def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
                  max_model_len=8192, python=None, env_extra=None):
     # A HOME (its compile caches laid out as the image's: dsa_image/compile_caches.py) each; the

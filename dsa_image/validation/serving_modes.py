@@ -465,8 +465,7 @@ def parse_args(argv):
     parser.add_argument("--overlay-site", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--work-dir", help="servers' HOMEs and derived models (default: OUT/work)")
-    parser.add_argument("--model-info-root", help="where each side's model-info entries are made once and kept "
-                        "(default: WORK_DIR/model-info)")
+    serving.add_model_info_root(parser)
     parser.add_argument("--model-info-only", action="store_true",
                         help="make the model-info entries in --model-info-root and stop (no server starts)")
     parser.add_argument("--port-base", type=int, default=8300)

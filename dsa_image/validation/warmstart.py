@@ -164,7 +164,7 @@ def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Pa
     if empty_first:
         try:
             entries = serving.image_model_info({side: (sys.executable, site) for side, site in sides.items()},
-                                               Path(args.model), work_dir / "model-info")
+                                               Path(args.model), Path(args.model_info_root or work_dir / "model-info"))
             for side in sides:
                 model_info_cache.image_home(homes[side], entries[side])
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
@@ -225,6 +225,7 @@ def parse_args(argv):
     parser.add_argument("--overlay-site", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--work-dir", help="the servers' HOMEs, kept between steps and calls (default: OUT/work)")
+    serving.add_model_info_root(parser)
     parser.add_argument("--steps", default="cold,warm-warmup", help=f"comma-separated, of: {', '.join(STEPS)}")
     parser.add_argument("--port-base", type=int, default=8400)
     parser.add_argument("--timeout", type=float, default=480, help="seconds for the servers to become healthy")
