@@ -20,8 +20,8 @@
 #            ships, per side (model_infos).
 #   prepare  the install phase without the probes (to serve on a fresh machine).
 #            Both make the model info in /tmp/model-info-X.Y.Z: the mtp, longctx, deploy,
-#            warmstart and bench servers start from the entries there (made once a machine per
-#            model), as from the image's first docker run.
+#            warmstart, bench and cluster servers start from the entries there (made once a
+#            machine per side and model), as from the image's first docker run.
 #   hosttime build() host time, stock and overlay interleaved in one process.
 #   toolchain the smoke test with the image's pip CUDA toolkit as the only toolkit.
 #   serve    stock twice and the overlay once, served side by side, CUDA graphs on
@@ -302,17 +302,20 @@ from dsa_image.tiny_model import MTP_CONFIG, write_model
 write_model(Path(sys.argv[1]), MTP_CONFIG)' "$model-mtp" || exit 1
 }
 
-# The model info the image ships, made once per side while install has time to spare: the
-# servers of later calls start as the image's do (a cold 0.33.0 server spent 42-44 s a class
-# inspecting). From the MTP model: its classes include the base model's.
+# The model info the image ships, made once per side and model while install has time to spare:
+# the servers of later calls start as the image's do (a cold 0.33.0 server spent 42-44 s a class
+# inspecting). The MTP model's entries serve the mode servers, the base model's the others.
 model_infos() {
   log "model info as the image ships it, per side, into $model_info"
   mtp_model
-  (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving_modes --model-info-only \
-    --model "$model" --mtp-model "$model-mtp" --stock-site "$site_stock" --overlay-site "$site_overlay" \
-    --model-info-root "$model_info" --out "$results/model-info" --vllm "$vllm") > "$results/model-info.log" 2>&1
-  echo "model info exit: $?" | tee -a "$results/model-info.log"
-  tail -3 "$results/model-info.log"
+  local mtp
+  for mtp in "--mtp-model=$model-mtp" ""; do
+    (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.serving_modes --model-info-only \
+      --model "$model" ${mtp:+"$mtp"} --stock-site "$site_stock" --overlay-site "$site_overlay" \
+      --model-info-root "$model_info" --out "$results/model-info" --vllm "$vllm") >> "$results/model-info.log" 2>&1 \
+      || { echo "model info: failed, see $results/model-info.log" >&2; tail -5 "$results/model-info.log"; return 1; }
+  done
+  cat "$results/model-info.log"
 }
 
 # mtp, longctx, deploy: four servers each (two modes), started together; CUDA graphs on.
@@ -425,7 +428,8 @@ cluster() {
   log "cluster: $CLUSTER_LAYOUTS, stock vs overlay side by side, within $budget s"
   (cd /tmp && PYTHONPATH="$repo" timeout -k 20 $((budget - 20)) python3 -m dsa_image.validation.cluster run \
     --layouts "$CLUSTER_LAYOUTS" --model "$model" --stock-site "$site_stock" \
-    --overlay-site "$site_overlay" --out "$dir" --deadline-s $((budget - 50)) --vllm "$vllm" ${CLUSTER_ARGS:-}) \
+    --overlay-site "$site_overlay" --out "$dir" --deadline-s $((budget - 50)) --vllm "$vllm" \
+    --model-info-root "$model_info" ${CLUSTER_ARGS:-}) \
     > "$results/cluster-run.log" 2>&1
   echo "cluster run exit: $?" | tee -a "$results/cluster-run.log"
   (cd /tmp && PYTHONPATH="$repo" python3 -m dsa_image.validation.cluster cleanup) >> "$results/cluster-run.log" 2>&1

@@ -758,9 +758,21 @@ def serve(args):
     http.server.ThreadingHTTPServer(("127.0.0.1", int(flag(args, "--port"))), Handler).serve_forever()
 
 
+def model_info_fill(args):
+    # dsa_image.model_info_cache fill: one entry, and a count of fills per site in the registry.
+    root = Path(flag(args, "--cache-root"))
+    (root / "modelinfos").mkdir(parents=True)
+    (root / "modelinfos" / "fake-GlmMoeDsaForCausalLM.json").write_text("{}")
+    fills = REG / "model-info-fills"
+    fills.mkdir(parents=True, exist_ok=True)
+    (fills / uuid.uuid4().hex).write_text(os.environ["PYTHONPATH"])
+
+
 args = sys.argv[1:]
 if args[:1] == ["-c"]:
     evidence(args)
+elif args[:3] == ["-m", "dsa_image.model_info_cache", "fill"]:
+    model_info_fill(args)
 elif args[:3] == ["-m", "ray.scripts.scripts", "start"]:
     ray_start(args)
 elif args[:3] == ["-m", "ray.scripts.scripts", "status"]:
@@ -855,3 +867,11 @@ def test_a_whole_call_serves_compares_records_and_leaves_nothing_running(tmp_pat
         assert {env["FLASHINFER_WORKSPACE_BASE"] for (_, b), env in envs.items() if b == build} == {
             str(tmp_path / "work" / f"flashinfer-{build}")}
     assert {env["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] for env in envs.values()} == {"trtllm"}
+    # Every server started from the image's HOME, its model info made once per build for the call.
+    for name in ("mp-tp2", "ray1-tp2", "ray2-pp2-shared", "ray2-tp2-shared"):
+        for build in cluster.BUILDS:
+            shipped = tmp_path / "work" / f"{name}-{build}-server" / ".cache" / "vllm" / "modelinfos"
+            assert [p.name for p in shipped.iterdir()] == ["fake-GlmMoeDsaForCausalLM.json"]
+    fills = [p.read_text() for p in (tmp_path / "registry" / "model-info-fills").iterdir()]
+    assert len(fills) == 2 and {f.split(os.pathsep)[0] for f in fills} == {
+        str(tmp_path / "site-stock"), str(tmp_path / "site-overlay")}
