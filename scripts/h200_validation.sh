@@ -36,8 +36,9 @@
 #            bf16 and fp8 (fp8_ds_mla) KV cache.
 #   deploy   stock vs overlay: fp8 KV at 8k, and 65536 + fp8 KV + MTP 3 together.
 #   warmstart  start-to-healthy with empty / warm caches, the first 3,000-token
-#            request with and without the warm-up (WARMSTART_STEPS; on 0.33.0 one step a
-#            call: cold, warm-warmup, cold-warmup, warm).
+#            request with and without the warm-up (WARMSTART_STEPS, comma-separated: cold,
+#            warm-warmup, cold-warmup, warm; on 0.33.0 a cold step took a 242 s call and a warm
+#            one 98 s: a cold and a warm step fit one call).
 #   bench    the paired benchmark (scripts/bench.py run; BENCH_ARGS, BENCH_LABEL).
 #   b12x     the overlay's b12x path with b12x's kernels emulated (emulation/, validation
 #            only): exact top-k against a dense reference per case, the emulation against
