@@ -486,7 +486,7 @@ def image_homes(plan: Plan, builds: list[Build], work_dir: Path, dirs: dict[str,
     try:
         entries = serving.image_model_info({b.name: (b.python or sys.executable, b.site) for b in builds},
                                            source, root)
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+    except model_info_cache.FILL_ERRORS as exc:
         raise SystemExit(f"the model info the image ships, for {source}: {type(exc).__name__}: {exc}") from None
     for home, build in empty:
         model_info_cache.image_home(home, entries[build.name])
@@ -494,7 +494,7 @@ def image_homes(plan: Plan, builds: list[Build], work_dir: Path, dirs: dict[str,
 
 def start_servers(args, plan: Plan, builds: list[Build], work_dir: Path, out_dir: Path) -> list[dict]:
     dirs = model_dirs(args, work_dir, plan)
-    image_homes(plan, builds, work_dir, dirs, Path(args.model_info_root or work_dir / "model-info"))
+    image_homes(plan, builds, work_dir, dirs, serving.model_info_root(args, work_dir))
     servers = []
     for gi, group in enumerate(plan.groups):
         for si, build in enumerate(builds):

@@ -128,6 +128,10 @@ def timed(archs: list[str]) -> dict[str, float]:
     return seconds
 
 
+# What fill_with raises: the fill failed, the environment could not run it, or it hung.
+FILL_ERRORS = (RuntimeError, OSError, subprocess.TimeoutExpired)
+
+
 def fill_with(python: str, env: dict, model: Path, cache_root: Path, timeout: float = 900) -> Path:
     """The entries the image ships, made by `fill` in another Python environment (`env`: a GPU
     validation's stock or overlay site on PYTHONPATH) unless `cache_root` has them already;

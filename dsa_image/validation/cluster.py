@@ -966,11 +966,10 @@ class Wave:
                    and not model_info_cache.shipped_dir(Path(self.home(e, "server"))).is_dir()]
         if not missing:
             return
-        root = Path(self.args.model_info_root or Path(self.args.work_dir) / "model-info")
         try:
             entries = serving.image_model_info({e["build"]: (self.args.python, e["site"]) for e in missing},
-                                               Path(self.args.model), root)
-        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                                               Path(self.args.model), serving.model_info_root(self.args, self.args.work_dir))
+        except model_info_cache.FILL_ERRORS as exc:
             for entry in missing:
                 entry["report"]["error"] = f"the model info the image ships: {type(exc).__name__}: {exc}"
             return

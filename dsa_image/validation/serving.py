@@ -72,7 +72,7 @@ def image_model_info(sides: dict[str, tuple[str, str]], model: Path, root: Path)
     (dsa_image/model_info_cache.py), made by that side's vLLM from `model`'s classes, all sides
     at once (a cold 0.33.0 process on the H200 took 42-44 s a class), and kept under `root`:
     made once per side and model. A HOME made from them with model_info_cache.image_home starts
-    a server as the image's first `docker run` does. Raises what model_info_cache.fill_with does."""
+    a server as the image's first `docker run` does. Raises model_info_cache.FILL_ERRORS."""
     def fill(side: str) -> Path:
         python, site = sides[side]
         cache_root = Path(root) / f"{side}-{Path(model).name}"
@@ -86,6 +86,11 @@ def add_model_info_root(parser) -> None:
     """--model-info-root, as every harness that starts servers from the image's HOME takes it."""
     parser.add_argument("--model-info-root", help="where each side's model info (what the image ships) is made "
                         "once and kept, to be shared by calls and harnesses (default: WORK_DIR/model-info)")
+
+
+def model_info_root(args, work_dir) -> Path:
+    """The root --model-info-root names, or WORK_DIR/model-info."""
+    return Path(args.model_info_root or Path(work_dir) / "model-info")
 
 
 def start_server(name, site, model, port, out_dir, extra_args, *, home=None,

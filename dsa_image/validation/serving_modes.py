@@ -46,7 +46,6 @@ import random
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -357,11 +356,11 @@ def model_info_entries(args, work_dir: Path) -> dict[str, Path]:
     --model-info-root, where an earlier call (the H200 script's install phase) may have made it.
     Made from the MTP model where there is one: its classes include the base model's."""
     source = Path(args.mtp_model or args.model)
-    root = Path(args.model_info_root or work_dir / "model-info")
     try:
         return serving.image_model_info({"stock": (sys.executable, args.stock_site),
-                                         "overlay": (sys.executable, args.overlay_site)}, source, root)
-    except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                                         "overlay": (sys.executable, args.overlay_site)}, source,
+                                        serving.model_info_root(args, work_dir))
+    except model_info_cache.FILL_ERRORS as exc:
         raise SystemExit(f"the model info the image ships, for {source}: {type(exc).__name__}: {exc}") from None
 
 

@@ -41,7 +41,6 @@ import os
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -164,10 +163,10 @@ def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Pa
     if empty_first:
         try:
             entries = serving.image_model_info({side: (sys.executable, site) for side, site in sides.items()},
-                                               Path(args.model), Path(args.model_info_root or work_dir / "model-info"))
+                                               Path(args.model), serving.model_info_root(args, work_dir))
             for side in sides:
                 model_info_cache.image_home(homes[side], entries[side])
-        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        except model_info_cache.FILL_ERRORS as exc:
             return {"empty_caches_at_start": True, "warmup": run_warmup, "sides": {},
                     "error": f"the image's cold HOME: {type(exc).__name__}: {exc}"}
     server_args = ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes), "--gpu-memory-utilization",
