@@ -9,12 +9,15 @@ metric; the summary is the median of those ratios with a seeded percentile-boots
 
 Ratios are B/A: above 1 means B is faster for output tokens/s and B is slower for TTFT and TPOT.
 A workload of an MTP group also records each side's draft acceptance (vLLM's spec-decode counters
-on /metrics) and fails when a side counted no drafts: it would not have measured MTP.
+on /metrics) and fails when a side counted no drafts: it would not have measured MTP. Every
+workload counts the prompts whose texts A and B answered alike (reported, not judged: two bases
+may compute differently).
 
     python3 scripts/bench.py plan [--workloads ...]            # what would run, estimated time
     python3 scripts/bench.py run --a-site S --b-site O --model DIR --out DIR [...]
     python3 scripts/bench.py plot RESULTS.json [...] [--out DIR] # PNGs, no GPU needed
     python3 scripts/bench.py table RESULTS.json [...]           # markdown rows for a README
+    python3 scripts/bench.py table --levels RESULTS.json [...]  # each build's medians, order effect
 
 `run` needs only the standard library (it starts vLLM with another Python's site-packages);
 `plot` needs matplotlib.
@@ -105,6 +108,9 @@ GROUPS = {
     "base": Group("base", "base", 8192),
     "long": Group("long", "long", 65536),
     "mtp1": Group("mtp1", "mtp", 8192, _mtp(1)),
+    # MTP 2 is next_n=3, flattened on sm_90 by both bases; MTP 3 (next_n=4) is flattened by
+    # 0.24.0 only: 0.33.0 decodes it natively.
+    "mtp2": Group("mtp2", "mtp", 8192, _mtp(2)),
     "mtp3": Group("mtp3", "mtp", 8192, _mtp(3)),
 }
 
@@ -118,6 +124,8 @@ WORKLOADS = (
     Workload("32000x128-c1", "long", 32000, 128, 1, 2, 20),
     Workload("mtp1-512x128-c1", "mtp1", 512, 128, 1, 4, 20),
     Workload("mtp1-512x128-c8", "mtp1", 512, 128, 8, 16, 10),
+    Workload("mtp2-512x128-c1", "mtp2", 512, 128, 1, 4, 20),
+    Workload("mtp2-512x128-c8", "mtp2", 512, 128, 8, 16, 10),
     Workload("mtp3-512x128-c1", "mtp3", 512, 128, 1, 4, 20),
     Workload("mtp3-512x128-c8", "mtp3", 512, 128, 8, 16, 10),
 )
@@ -220,6 +228,7 @@ class Sample:
     first_token: float | None = None
     last_token: float | None = None
     error: str | None = None
+    text: str = ""
 
     @property
     def ttft(self) -> float | None:
@@ -255,6 +264,7 @@ def _read_stream(response, sample: Sample) -> None:
         event = json.loads(data)
         if "error" in event:
             raise RuntimeError(f"error event: {event['error']}")
+        sample.text += "".join(c.get("text") or "" for c in event.get("choices") or [])
         seen = _tokens_so_far(event, sample.tokens)
         if seen > sample.tokens:
             sample.first_token = sample.first_token or now
@@ -322,7 +332,16 @@ def side_stats(samples: list[Sample]) -> dict:
 
 def sample_record(sample: Sample) -> dict:
     return {"ttft_s": sample.ttft, "tpot_s": sample.tpot, "latency_s": sample.end - sample.start,
-            "tokens": sample.tokens, "error": sample.error}
+            "tokens": sample.tokens, "error": sample.error,
+            "text_sha256": hashlib.sha256(sample.text.encode()).hexdigest()}
+
+
+def texts_compared(a: list[dict], b: list[dict]) -> dict:
+    """How many of a round's prompts got the same text from A and B. Greedy, the same prompts:
+    two builds that compute the same tokens answer alike, MTP drafts accepted or not."""
+    pairs = [(x["text_sha256"], y["text_sha256"]) for x, y in zip(a, b)
+             if not x["error"] and not y["error"] and "text_sha256" in x and "text_sha256" in y]
+    return {"compared": len(pairs), "equal": sum(x == y for x, y in pairs)}
 
 
 def round_ratios(a: dict, b: dict) -> dict | None:
@@ -447,8 +466,10 @@ def _server_args(args, group: Group) -> list[str]:
             *group.server_args, *shlex.split(args.server_args)]
 
 
-def _home(work_dir: Path, group: str, side: str) -> Path:
-    return work_dir / f"home-{group}-{side}"
+def _home(work_dir: Path, group: str, build: Build) -> Path:
+    # Named for the build, not its side: a run comparing other builds on the same work
+    # directory gets its own HOMEs, never another build's caches or model info.
+    return work_dir / f"home-{group}-{build.name}"
 
 
 def caches_present(homes: list[Path]) -> bool:
@@ -479,7 +500,7 @@ def image_homes(plan: Plan, builds: list[Build], work_dir: Path, dirs: dict[str,
     group serves it (its classes include the base model's), keyed by the build's name as the other
     harnesses key theirs (stock, overlay). A HOME with caches is kept as it is."""
     empty = [(home, build) for group in plan.groups for build in builds
-             if not caches_present([home := _home(work_dir, group.name, build.side)])]
+             if not caches_present([home := _home(work_dir, group.name, build)])]
     if not empty:
         return
     source = Path(dirs.get("mtp", dirs["base"]))
@@ -498,7 +519,7 @@ def start_servers(args, plan: Plan, builds: list[Build], work_dir: Path, out_dir
     servers = []
     for gi, group in enumerate(plan.groups):
         for si, build in enumerate(builds):
-            home = _home(work_dir, group.name, build.side)
+            home = _home(work_dir, group.name, build)
             server = serving.start_server(
                 f"bench-{group.name}-{build.side}", build.site, dirs[group.model],
                 args.port_base + 2 * gi + si, str(out_dir), _server_args(args, group),
@@ -521,7 +542,8 @@ def run_one_round(pair: dict, w: Workload, index: int, token_ids: list[int], see
     order = round_order(index)
     sides = {side: _run_side(pair[side], prompts, w, timeout) for side in order}
     return {"index": index, "order": list(order), "sides": sides,
-            "ratios": round_ratios(sides["A"]["stats"], sides["B"]["stats"])}
+            "ratios": round_ratios(sides["A"]["stats"], sides["B"]["stats"]),
+            "texts": texts_compared(sides["A"]["samples"], sides["B"]["samples"])}
 
 
 def run_workload(pair: dict, w: Workload, token_ids: list[int], args, deadline: float | None) -> dict:
@@ -538,11 +560,18 @@ def run_workload(pair: dict, w: Workload, token_ids: list[int], args, deadline: 
             truncated = True  # whole pairs only: each build keeps going first equally often
             break
         rounds.append(run_one_round(pair, w, index, token_ids, args.seed, args.request_timeout))
+    texts = workload_texts(rounds)
+    print(f"  {w.name}: texts equal for {texts['equal']} of {texts['compared']} prompts", flush=True)
     return {**asdict(w), "rounds_planned": w.rounds, "rounds_done": len(rounds), "truncated": truncated,
             "warmup_errors": {s: warmup["sides"][s]["stats"]["errors"] for s in SIDES},
             "rounds": rounds, "seconds": round(time.monotonic() - t0, 1),
             "summary": summarize(rounds, args.resamples, args.confidence, args.seed),
-            "spec_decode": workload_acceptance(rounds)}
+            "spec_decode": workload_acceptance(rounds), "texts": texts}
+
+
+def workload_texts(rounds: list[dict]) -> dict:
+    counts = [r.get("texts") or {"compared": 0, "equal": 0} for r in rounds]
+    return {k: sum(c[k] for c in counts) for k in ("compared", "equal")}
 
 
 def workload_acceptance(rounds: list[dict]) -> dict | None:
@@ -598,7 +627,7 @@ def run(args, argv: list[str]) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     work_dir.mkdir(parents=True, exist_ok=True)
     builds = [Build("A", args.a_name, args.a_site, args.a_python), Build("B", args.b_name, args.b_site, args.b_python)]
-    homes = [_home(work_dir, g.name, b.side) for g in plan.groups for b in builds]
+    homes = [_home(work_dir, g.name, b) for g in plan.groups for b in builds]
     if args.fresh_caches:
         for home in homes:
             shutil.rmtree(home, ignore_errors=True)
@@ -707,6 +736,44 @@ def table(docs: list[dict]) -> str:
         for w in doc["workloads"]:
             cells = " | ".join(_cell(w["summary"].get(m, {})) for m in METRICS)
             lines.append(f"| {w['name']} | {w['rounds_done']} | {cells} |")
+    return "\n".join(lines)
+
+
+def _side_median(w: dict, side: str, metric: str) -> float | None:
+    values = [r["sides"][side]["stats"].get(metric) for r in w["rounds"] if r["ratios"]]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _order_median(w: dict, first: str) -> float | None:
+    values = [r["ratios"]["output_tok_s"] for r in w["rounds"]
+              if r["ratios"] and r["order"][0] == first and r["ratios"].get("output_tok_s") is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value * scale:.{digits}f}"
+
+
+def levels_table(docs: list[dict]) -> str:
+    """Markdown: what each build measured (medians over the counted rounds), and the output
+    tokens/s ratio split by which build went first. The split shows the order effect that
+    alternating cancels: a ratio that moves with the order is the GPU, not the build."""
+    # Results from before the texts were compared have no "texts": no column then.
+    texts = any("texts" in w for doc in docs for w in doc["workloads"])
+    lines = ["| workload | output tokens/s A / B | TTFT p50 ms A / B | TPOT ms A / B "
+             "| tokens/s B/A, A first | tokens/s B/A, B first |" + (" texts equal |" if texts else ""),
+             "|" + "---|" * (6 + texts)]
+    for doc in docs:
+        for w in doc["workloads"]:
+            def pair(metric: str, scale: float, digits: int) -> str:
+                return " / ".join(_fmt(_side_median(w, side, metric), scale, digits) for side in SIDES)
+            row = (f"| {w['name']} | {pair('output_tok_s', 1, 0)} | {pair('ttft_p50_s', 1e3, 1)} "
+                   f"| {pair('tpot_s', 1e3, 2)} | {_fmt(_order_median(w, 'A'))} | {_fmt(_order_median(w, 'B'))} |")
+            if texts:
+                t = w.get("texts")
+                row += f" {t['equal']} of {t['compared']} |" if t else " n/a |"
+            lines.append(row)
     return "\n".join(lines)
 
 
@@ -856,6 +923,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     plot_parser.add_argument("--out", help="directory for the PNGs (default: beside the first file)")
     table_parser = commands.add_parser("table", help="markdown table of the ratios")
     table_parser.add_argument("results", nargs="+")
+    table_parser.add_argument("--levels", action="store_true",
+                              help="each build's medians and the ratio by which build went first, "
+                                   "instead of the ratios with their intervals")
     args = parser.parse_args(argv)
     if args.command == "run" and args.a_name == args.b_name:
         # The names label the results and key each build's model info (shared with other harnesses).
@@ -874,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, argv)
     docs = [load_results(p) for p in args.results]
     if args.command == "table":
-        print(table(docs))
+        print(levels_table(docs) if args.levels else table(docs))
         return 0
     for path in plot(args.results, args.out):
         print(path)

@@ -39,7 +39,8 @@
 #            request with and without the warm-up (WARMSTART_STEPS, comma-separated: cold,
 #            warm-warmup, cold-warmup, warm; on 0.33.0 a cold step took a 242 s call and a warm
 #            one 98 s: a cold and a warm step fit one call).
-#   bench    the paired benchmark (scripts/bench.py run; BENCH_ARGS, BENCH_LABEL).
+#   bench    the paired benchmark (scripts/bench.py run; BENCH_ARGS, BENCH_LABEL; BENCH_A and
+#            BENCH_B for builds other than this base's stock and overlay, e.g. two bases).
 #   b12x     the overlay's b12x path with b12x's kernels emulated (emulation/, validation
 #            only): exact top-k against a dense reference per case, the emulation against
 #            the b12x wheel's references, the locked workspace, the self-test's b12x branch.
@@ -347,15 +348,38 @@ warmstart() {
   cp "$results/warmstart/warmstart.json" "$out/warmstart-${steps//,/+}.json"
 }
 
+# BENCH_A and BENCH_B pick the builds, each SIDE-X.Y.Z: stock or overlay of a base that
+# `prepare` installed on this machine (both bases side by side: BENCH_A=overlay-A.B.C
+# BENCH_B=overlay-X.Y.Z, after a prepare of each; the same build twice: the A/A control, B
+# named BUILD-control). Unset: stock and overlay of this base.
+bench_builds=()
+bench_inputs() {
+  if [ -z "${BENCH_A:-}${BENCH_B:-}" ]; then
+    bench_builds=(--a-site "$site_stock" --b-site "$site_overlay" --a-name stock --b-name overlay)
+    return
+  fi
+  local side build name
+  for side in a b; do
+    if [ $side = a ]; then build=${BENCH_A:-stock-$vllm}; else build=${BENCH_B:-overlay-$vllm}; fi
+    if ! [[ $build =~ ^(stock|overlay)-[0-9]+\.[0-9]+\.[0-9]+$ ]] || [ ! -e "$root/site-$build/vllm/__init__.py" ]; then
+      echo "bench: BENCH_${side^^}=$build: expected stock-X.Y.Z or overlay-X.Y.Z of a base installed" \
+        "here, with vLLM in $root/site-$build; run VLLM=X.Y.Z bash scripts/h200_validation.sh prepare first" >&2
+      exit 3
+    fi
+    # The same build on both sides is the A/A control: the names (HOMEs, labels) must differ.
+    [ $side = b ] && [ "$build" = "${bench_builds[3]}" ] && name=$build-control || name=$build
+    bench_builds+=("--$side-site" "$root/site-$build" "--$side-name" "$name")
+  done
+}
+
 # BENCH_ARGS picks workloads and round counts (scripts/bench.py plan shows them); the servers'
 # HOMEs stay in $bench_work, so a second call of the same group starts warm.
 bench() {
   local label=${BENCH_LABEL:-bench}
-  log "benchmark $label: ${BENCH_ARGS:-all workloads}"
+  log "benchmark $label: ${bench_builds[*]}; ${BENCH_ARGS:-all workloads}"
   mtp_model
   # shellcheck disable=SC2086  # BENCH_ARGS is split on purpose
-  (cd /tmp && env -u VLLM_DISABLE_COMPILE_CACHE python3 "$repo/scripts/bench.py" run \
-    --a-site "$site_stock" --b-site "$site_overlay" --a-name stock --b-name overlay \
+  (cd /tmp && env -u VLLM_DISABLE_COMPILE_CACHE python3 "$repo/scripts/bench.py" run "${bench_builds[@]}" \
     --model "$model" --mtp-model "$model-mtp" --work-dir "$bench_work" --model-info-root "$model_info" \
     --out "$results/$label" --deadline-s "${BENCH_DEADLINE_S:-520}" ${BENCH_ARGS:-}) \
     > "$results/$label.log" 2>&1
@@ -472,7 +496,7 @@ case $phase in
   longctx) environment; modes longctx long-bf16,long-fp8; collect ;;
   deploy) environment; modes deploy fp8,long-fp8-mtp3; collect ;;
   warmstart) environment; warmstart; collect ;;
-  bench) environment; bench; collect ;;
+  bench) bench_inputs; environment; bench; collect ;;
   b12x) environment; b12x; collect ;;
   selftest) environment; selftest; collect ;;
   b12xserve) environment; b12xserve; collect ;;

@@ -612,12 +612,35 @@ def test_a_run_writes_results_that_follow_the_schema(tmp_path, tiny_model):
     assert c8["rounds_done"] == 2 and [r["order"] for r in c8["rounds"]] == [["A", "B"], ["B", "A"]]
     assert all(len(r["sides"][s]["samples"]) == 8 for r in c8["rounds"] for s in "AB")
     assert c8["summary"]["output_tok_s"]["n"] == 2 and c8["spec_decode"]["A"]["draft_tokens"] > 0
+    assert c8["texts"] == {"compared": 16, "equal": 16} and c8["rounds"][1]["texts"] == {"compared": 8, "equal": 8}
     mtp_group = doc["groups"]["mtp1"]["server_args"]
     assert json.loads(mtp_group[mtp_group.index("--speculative-config") + 1]) == {
         "method": "mtp", "num_speculative_tokens": 1}
     assert mtp["spec_decode"]["B"]["acceptance_rate"] == pytest.approx(0.25)
     assert set(doc["healthy_after_s"]) == {"bench-base-A", "bench-base-B", "bench-mtp1-A", "bench-mtp1-B"}
     assert (tmp_path / "out" / "server-bench-base-A.log").is_file()
+
+
+def test_a_build_that_answers_other_tokens_is_counted_prompt_by_prompt_not_failed(tmp_path, tiny_model, capsys):
+    # Two bases may compute differently; the count says how far they agree, for the reader.
+    fake = {"ttft_s": 0.002, "token_s": 0.0005}
+    a = fake_vllm_site(tmp_path / "a", fake=fake)
+    b = fake_vllm_site(tmp_path / "b", fake={**fake, "faults": ["salt"]})
+    code = bench.main(["run", "--a-site", str(a), "--b-site", str(b), "--model", str(tiny_model),
+                       "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), "--port-base",
+                       str(free_ports(2)), "--timeout", "60", "--resamples", "300", "--workloads", "512x128-c1",
+                       "--rounds-scale", "0.1", "--requests-scale", "0.5"])
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert code == 0 and doc["workloads"][0]["texts"] == {"compared": 4, "equal": 0}
+    assert "512x128-c1: texts equal for 0 of 4 prompts" in capsys.readouterr().out
+    assert bench.levels_table([doc]).splitlines()[2].endswith("| 0 of 4 |")
+
+
+def test_rounds_with_an_error_or_from_older_results_compare_no_texts():
+    ok = {"error": None, "text_sha256": "x"}
+    assert bench.texts_compared([ok, {**ok, "error": "HTTP 500"}], [ok, ok]) == {"compared": 1, "equal": 1}
+    assert bench.texts_compared([{"error": None}], [ok]) == {"compared": 0, "equal": 0}
+    assert bench.workload_texts([{"texts": {"compared": 2, "equal": 1}}, {}]) == {"compared": 2, "equal": 1}
 
 
 @pytest.mark.parametrize("spec, problem", [(False, "A: no spec-decode counters on /metrics; B: no spec-decode "
@@ -641,7 +664,7 @@ def test_servers_without_caches_start_from_the_images_home_and_keep_theirs_after
     code, doc = _run_bench(tmp_path, tiny_model, "--workloads", "512x128-c1", "--rounds-scale", "0.1",
                            "--requests-scale", "0.5", fake={"ttft_s": 0.002})
     assert code == 0 and doc["caches_warm_at_start"] is False
-    homes = [tmp_path / "work" / f"home-base-{side}" for side in "AB"]
+    homes = [tmp_path / "work" / f"home-base-{name}" for name in ("stock", "overlay")]
     assert [_shipped(h) for h in homes] == [["vllm-models-fake-DeepseekV32MTPModel.json",
                                              "vllm-models-fake-GlmMoeDsaForCausalLM.json"]] * 2
     # The model info alone is not a compile cache: still cold.
@@ -660,6 +683,20 @@ def test_servers_without_caches_start_from_the_images_home_and_keep_theirs_after
     assert [p.stat().st_mtime_ns for p in made] == stamps
 
 
+def test_other_builds_on_the_same_work_dir_get_their_own_homes(tmp_path, tiny_model):
+    # A base-vs-base run after a stock-vs-overlay run must not start from the other builds' caches.
+    args = ["--workloads", "512x128-c1", "--rounds-scale", "0.1", "--requests-scale", "0.5"]
+    assert _run_bench(tmp_path, tiny_model, *args, fake={"ttft_s": 0.002})[0] == 0
+    for name in ("stock", "overlay"):
+        (tmp_path / "work" / f"home-base-{name}" / ".cache" / "triton").mkdir(parents=True)
+        (tmp_path / "work" / f"home-base-{name}" / ".cache" / "triton" / "kernel.bin").write_bytes(b"compiled")
+    code, doc = _run_bench(tmp_path / "again", tiny_model, *args, "--work-dir", str(tmp_path / "work"),
+                           "--a-name", "overlay-0.24.0", "--b-name", "overlay-0.33.0", fake={"ttft_s": 0.002})
+    assert code == 0 and doc["caches_warm_at_start"] is False
+    assert sorted(p.name for p in (tmp_path / "work").glob("home-*")) == [
+        "home-base-overlay", "home-base-overlay-0.24.0", "home-base-overlay-0.33.0", "home-base-stock"]
+
+
 def test_the_benchmark_starts_from_model_info_another_harness_made(tmp_path, tiny_model):
     from dsa_image.validation import serving_modes
 
@@ -676,7 +713,7 @@ def test_the_benchmark_starts_from_model_info_another_harness_made(tmp_path, tin
                        "--requests-scale", "0.5", "--port-base", str(free_ports(2)), "--timeout", "60",
                        "--resamples", "300"])
     assert code == 0
-    assert _shipped(tmp_path / "work" / "home-base-A") == _shipped(tmp_path / "work" / "home-base-B") == [
+    assert _shipped(tmp_path / "work" / "home-base-stock") == _shipped(tmp_path / "work" / "home-base-overlay") == [
         "vllm-models-fake-DeepseekV32MTPModel.json", "vllm-models-fake-GlmMoeDsaForCausalLM.json"]
 
 
@@ -774,6 +811,18 @@ def test_table_shows_each_workloads_ratios_and_intervals():
     row = [line for line in text.splitlines() if line.startswith("| 512x128-c1")][0]
     assert "| 4 |" in row and row.count("[") == 4
     assert "1.015 [" in row  # median of 1.00, 1.01, 1.02, 1.03
+
+
+def test_levels_show_each_builds_medians_and_the_ratio_by_who_went_first():
+    doc = _results_doc()
+    for r in doc["workloads"][0]["rounds"]:  # the second build of a round is 10% faster
+        a, b = (100.0, 110.0) if r["order"][0] == "A" else (110.0, 100.0)
+        r["sides"] = {"A": {"stats": {"output_tok_s": a, "ttft_p50_s": 0.010, "tpot_s": 0.002}},
+                      "B": {"stats": {"output_tok_s": b, "ttft_p50_s": 0.012, "tpot_s": None}}}
+        r["ratios"]["output_tok_s"] = b / a
+    doc["workloads"][0]["rounds"][3]["ratios"] = None  # a round with an error counts nowhere
+    (row,) = [line for line in bench.levels_table([doc]).splitlines() if line.startswith("| 512x128-c1")]
+    assert row == "| 512x128-c1 | 100 / 110 | 10.0 / 12.0 | 2.00 / n/a | 1.100 | 0.909 |"
 
 
 def test_plots_are_made_from_the_json_alone(tmp_path):

@@ -477,3 +477,42 @@ def test_repository_bytes_counts_tracked_and_untracked_files_but_not_ignored_one
 def test_repository_bytes_outside_a_checkout_says_what_to_do(tmp_path):
     with pytest.raises(stage.StageError, match="stage from a git checkout"):
         stage.repository_bytes(tmp_path / "nowhere")
+
+
+# --- the bench phase's builds: this base's stock and overlay, or any two installed here ----------
+
+
+def _bench(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    work = tmp_path / "work"
+    (work / "tiny-glm5-mtp").mkdir(parents=True, exist_ok=True)  # no model to write: not what is tested
+    repo = tmp_path / "repo" if (tmp_path / "repo").is_dir() else device_copy(tmp_path)
+    return run_script("bench", repo / "scripts" / "h200_validation.sh", VLLM="0.33.0", WORK_ROOT=str(work), OUT=str(tmp_path / "out"),
+                      RESULTS_DIR=str(tmp_path / "results"), **env)
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"BENCH_A": "overlay-0.24.0"}, "BENCH_A=overlay-0.24.0"),  # not installed here
+    ({"BENCH_A": "0.33.0"}, "BENCH_A=0.33.0"),  # no side
+    ({"BENCH_A": "stock-0.33.0;rm", "BENCH_B": "overlay-0.33.0"}, "BENCH_A=stock-0.33.0;rm"),
+])
+def test_the_bench_phase_refuses_a_build_not_installed_here_before_anything_runs(tmp_path, env, named):
+    done = _bench(tmp_path, **env)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert f"bench: {named}: expected stock-X.Y.Z or overlay-X.Y.Z of a base installed here" in done.stderr
+    assert "prepare first" in done.stderr and not (tmp_path / "results" / "environment.txt").exists()
+
+
+def test_the_bench_phase_serves_the_two_builds_it_is_given_under_their_names(tmp_path):
+    work = tmp_path / "work"
+    for build in ("overlay-0.24.0", "overlay-0.33.0"):
+        (work / f"site-{build}" / "vllm").mkdir(parents=True)
+        (work / f"site-{build}" / "vllm" / "__init__.py").write_text("")
+    done = _bench(tmp_path, BENCH_A="overlay-0.24.0", BENCH_B="overlay-0.33.0", BENCH_ARGS="--workloads base")
+    assert (f"benchmark bench: --a-site {work}/site-overlay-0.24.0 --a-name overlay-0.24.0 "
+            f"--b-site {work}/site-overlay-0.33.0 --b-name overlay-0.33.0; --workloads base") in done.stdout
+    control = _bench(tmp_path, BENCH_A="overlay-0.33.0", BENCH_B="overlay-0.33.0")
+    assert (f"--a-site {work}/site-overlay-0.33.0 --a-name overlay-0.33.0 "
+            f"--b-site {work}/site-overlay-0.33.0 --b-name overlay-0.33.0-control;") in control.stdout
+    default = _bench(tmp_path / "default")
+    assert (f"benchmark bench: --a-site {tmp_path}/default/work/site-stock-0.33.0 "
+            f"--b-site {tmp_path}/default/work/site-overlay-0.33.0 --a-name stock --b-name overlay") in default.stdout
