@@ -40,6 +40,9 @@ RUN2 = REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run2"
 RUN1 = REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0"
 # The first served MTP, 64k and fp8 KV runs of 0.33.0, and its warm start.
 RUN4 = REPO / "docs" / "validation" / "h200-2026-12-01-vllm0_33_0-run4"
+# The image's first start, and the benchmark of the same session.
+RUN5 = REPO / "docs" / "validation" / "h200-2026-12-01-vllm0_33_0-run5"
+BENCH_RUN5 = REPO / "docs" / "benchmarks" / "h200-2026-12-01-vllm0_33_0"
 RECIPES_0_24 = REPO / "docs" / "validation" / "h200-2026-11-30-overlay-f1d4805b" / "recipes"
 TOOLCHAIN_0_24 = REPO / "docs" / "validation" / "h200-2026-11-30-overlay-c2b8469b" / "toolchain-server.log"
 WHEEL_0_33 = wheel_cache_path("vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl")
@@ -96,7 +99,12 @@ def _seconds(line: str) -> int:
     return 3600 * int(hours) + 60 * int(minutes) + int(seconds)
 
 
-@pytest.mark.parametrize("log", sorted(RUN4.glob("*/server-*.log")), ids=lambda path: f"{path.parent.name}/{path.name}")
+# Every server log of the fourth and fifth runs (the fifth's benchmark included).
+FROM_THE_IMAGES_HOME = [*sorted(RUN4.glob("*/server-*.log")), *sorted(RUN5.glob("*/server-*.log")),
+                        *sorted(BENCH_RUN5.glob("*/server-*.log"))]
+
+
+@pytest.mark.parametrize("log", FROM_THE_IMAGES_HOME, ids=lambda path: f"{path.parent.name}/{path.name}")
 def test_servers_started_from_the_images_home_resolve_their_model_classes_at_once(log):
     # The model info the image ships was in each HOME: no 42-44 s inspection per class, as the
     # 8x B200 recipe's server with an empty cache spent (run3).
