@@ -503,12 +503,8 @@ def image_homes(plan: Plan, builds: list[Build], work_dir: Path, dirs: dict[str,
              if not caches_present([home := _home(work_dir, group.name, build)])]
     if not empty:
         return
-    source = Path(dirs.get("mtp", dirs["base"]))
-    try:
-        entries = serving.image_model_info({b.name: (b.python or sys.executable, b.site) for b in builds},
-                                           source, root)
-    except model_info_cache.FILL_ERRORS as exc:
-        raise SystemExit(f"the model info the image ships, for {source}: {type(exc).__name__}: {exc}") from None
+    entries = serving.require_image_model_info({b.name: (b.python or sys.executable, b.site) for b in builds},
+                                               Path(dirs.get("mtp", dirs["base"])), root)
     for home, build in empty:
         model_info_cache.image_home(home, entries[build.name])
 

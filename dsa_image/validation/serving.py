@@ -82,6 +82,15 @@ def image_model_info(sides: dict[str, tuple[str, str]], model: Path, root: Path)
         return dict(zip(sides, pool.map(fill, sides)))
 
 
+def require_image_model_info(sides: dict[str, tuple[str, str]], model: Path, root: Path) -> dict[str, Path]:
+    """image_model_info for a harness that starts no server without it: a failed fill exits,
+    saying what failed."""
+    try:
+        return image_model_info(sides, model, root)
+    except model_info_cache.FILL_ERRORS as exc:
+        raise SystemExit(f"the model info the image ships, for {model}: {type(exc).__name__}: {exc}") from None
+
+
 def add_model_info_root(parser) -> None:
     """--model-info-root, as every harness that starts servers from the image's HOME takes it."""
     parser.add_argument("--model-info-root", help="where each side's model info (what the image ships) is made "

@@ -355,13 +355,9 @@ def model_info_entries(args, work_dir: Path) -> dict[str, Path]:
     """Per side, the model info the image ships (serving.image_model_info), kept in
     --model-info-root, where an earlier call (the H200 script's install phase) may have made it.
     Made from the MTP model where there is one: its classes include the base model's."""
-    source = Path(args.mtp_model or args.model)
-    try:
-        return serving.image_model_info({"stock": (sys.executable, args.stock_site),
-                                         "overlay": (sys.executable, args.overlay_site)}, source,
-                                        serving.model_info_root(args, work_dir))
-    except model_info_cache.FILL_ERRORS as exc:
-        raise SystemExit(f"the model info the image ships, for {source}: {type(exc).__name__}: {exc}") from None
+    return serving.require_image_model_info({"stock": (sys.executable, args.stock_site),
+                                             "overlay": (sys.executable, args.overlay_site)},
+                                            Path(args.mtp_model or args.model), serving.model_info_root(args, work_dir))
 
 
 def start_mode(mode: Mode, model: str, index: int, args, work_dir: Path, out_dir: Path,
