@@ -483,10 +483,11 @@ def test_repository_bytes_outside_a_checkout_says_what_to_do(tmp_path):
 
 
 def _bench(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    work = tmp_path / "work"
-    (work / "tiny-glm5-mtp").mkdir(parents=True, exist_ok=True)  # no model to write: not what is tested
+    work_root = tmp_path / "root"
+    (work_root / "tiny-glm5-mtp").mkdir(parents=True, exist_ok=True)  # no model to write: not what is tested
     repo = tmp_path / "repo" if (tmp_path / "repo").is_dir() else device_copy(tmp_path)
-    return run_script("bench", repo / "scripts" / "h200_validation.sh", VLLM="0.33.0", WORK_ROOT=str(work), OUT=str(tmp_path / "out"),
+    return run_script("bench", repo / "scripts" / "h200_validation.sh", VLLM="0.33.0", WORK_ROOT=str(work_root),
+                      OUT=str(tmp_path / "out"),
                       RESULTS_DIR=str(tmp_path / "results"), **env)
 
 
@@ -503,16 +504,16 @@ def test_the_bench_phase_refuses_a_build_not_installed_here_before_anything_runs
 
 
 def test_the_bench_phase_serves_the_two_builds_it_is_given_under_their_names(tmp_path):
-    work = tmp_path / "work"
+    work_root = tmp_path / "root"
     for build in ("overlay-0.24.0", "overlay-0.33.0"):
-        (work / f"site-{build}" / "vllm").mkdir(parents=True)
-        (work / f"site-{build}" / "vllm" / "__init__.py").write_text("")
+        (work_root / f"site-{build}" / "vllm").mkdir(parents=True)
+        (work_root / f"site-{build}" / "vllm" / "__init__.py").write_text("")
     done = _bench(tmp_path, BENCH_A="overlay-0.24.0", BENCH_B="overlay-0.33.0", BENCH_ARGS="--workloads base")
-    assert (f"benchmark bench: --a-site {work}/site-overlay-0.24.0 --a-name overlay-0.24.0 "
-            f"--b-site {work}/site-overlay-0.33.0 --b-name overlay-0.33.0; --workloads base") in done.stdout
+    assert (f"benchmark bench: --a-site {work_root}/site-overlay-0.24.0 --a-name overlay-0.24.0 "
+            f"--b-site {work_root}/site-overlay-0.33.0 --b-name overlay-0.33.0; --workloads base") in done.stdout
     control = _bench(tmp_path, BENCH_A="overlay-0.33.0", BENCH_B="overlay-0.33.0")
-    assert (f"--a-site {work}/site-overlay-0.33.0 --a-name overlay-0.33.0 "
-            f"--b-site {work}/site-overlay-0.33.0 --b-name overlay-0.33.0-control;") in control.stdout
-    default = _bench(tmp_path / "default")
-    assert (f"benchmark bench: --a-site {tmp_path}/default/work/site-stock-0.33.0 "
-            f"--b-site {tmp_path}/default/work/site-overlay-0.33.0 --a-name stock --b-name overlay") in default.stdout
+    assert (f"--a-site {work_root}/site-overlay-0.33.0 --a-name overlay-0.33.0 "
+            f"--b-site {work_root}/site-overlay-0.33.0 --b-name overlay-0.33.0-control;") in control.stdout
+    default, default_root = _bench(tmp_path / "default"), tmp_path / "default" / "root"
+    assert (f"benchmark bench: --a-site {default_root}/site-stock-0.33.0 "
+            f"--b-site {default_root}/site-overlay-0.33.0 --a-name stock --b-name overlay") in default.stdout
