@@ -19,6 +19,9 @@
 #            width, b12x metadata path) and compare; last, make the model info the image
 #            ships, per side (model_infos).
 #   prepare  the install phase without the probes (to serve on a fresh machine).
+#   sites    the install phase alone: the two sites, verified, and the tiny GLM-5 (a base
+#            only another base's call serves, e.g. bench's BENCH_A=overlay-0.24.0 beside
+#            VLLM=0.33.0, which makes that build's model info itself).
 #            Both make the model info in /tmp/model-info-X.Y.Z: the mtp, longctx, deploy,
 #            warmstart, bench and cluster servers start from the entries there (made once a
 #            machine per side and model), as from the image's first docker run.
@@ -69,7 +72,7 @@
 #
 # Usage: [VLLM=X.Y.Z] bash scripts/h200_validation.sh PHASE (one of the above)
 set -uo pipefail
-phase=${1:?usage: [VLLM=X.Y.Z] h200_validation.sh paths|receive|inventory|prepare|install|serve|hosttime|toolchain|smoke|mtp|longctx|deploy|warmstart|bench|b12x|selftest|b12xserve|cluster}
+phase=${1:?usage: [VLLM=X.Y.Z] h200_validation.sh paths|receive|inventory|prepare|sites|install|serve|hosttime|toolchain|smoke|mtp|longctx|deploy|warmstart|bench|b12x|selftest|b12xserve|cluster}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 vllm=${VLLM:-$(python3 "$repo/scripts/recipe.py" get vllm.default)} || exit 2
 python3 "$repo/scripts/recipe.py" get --vllm "$vllm" vllm.version > /dev/null || {
@@ -363,7 +366,7 @@ bench_inputs() {
     if [ $side = a ]; then build=${BENCH_A:-stock-$vllm}; else build=${BENCH_B:-overlay-$vllm}; fi
     if ! [[ $build =~ ^(stock|overlay)-[0-9]+\.[0-9]+\.[0-9]+$ ]] || [ ! -e "$root/site-$build/vllm/__init__.py" ]; then
       echo "bench: BENCH_${side^^}=$build: expected stock-X.Y.Z or overlay-X.Y.Z of a base installed" \
-        "here, with vLLM in $root/site-$build; run VLLM=X.Y.Z bash scripts/h200_validation.sh prepare first" >&2
+        "here, with vLLM in $root/site-$build; run VLLM=X.Y.Z bash scripts/h200_validation.sh sites (or prepare) first" >&2
       exit 3
     fi
     # The same build on both sides is the A/A control: the names (HOMEs, labels) must differ.
@@ -488,6 +491,7 @@ case $phase in
   inventory) environment; inventory ;;
   install) environment; install; probes; model_infos; collect ;;
   prepare) environment; install; model_infos; collect ;;
+  sites) environment; install; collect ;;
   hosttime) hosttime ;;
   toolchain) environment; toolchain; collect ;;
   serve) environment; serve; collect ;;

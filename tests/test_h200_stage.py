@@ -500,7 +500,7 @@ def test_the_bench_phase_refuses_a_build_not_installed_here_before_anything_runs
     done = _bench(tmp_path, **env)
     assert done.returncode == 3, done.stdout + done.stderr
     assert f"bench: {named}: expected stock-X.Y.Z or overlay-X.Y.Z of a base installed here" in done.stderr
-    assert "prepare first" in done.stderr and not (tmp_path / "results" / "environment.txt").exists()
+    assert "h200_validation.sh sites (or prepare) first" in done.stderr and not (tmp_path / "results" / "environment.txt").exists()
 
 
 def test_the_bench_phase_serves_the_two_builds_it_is_given_under_their_names(tmp_path):
