@@ -15,6 +15,7 @@ may compute differently).
 
     python3 scripts/bench.py plan [--workloads ...]            # what would run, estimated time
     python3 scripts/bench.py run --a-site S --b-site O --model DIR --out DIR [...]
+    python3 scripts/bench.py run --a-site S --b-site S --b-name NAME --b-env KEY=VALUE ...  # a setting
     python3 scripts/bench.py plot RESULTS.json [...] [--out DIR] # PNGs, no GPU needed
     python3 scripts/bench.py table RESULTS.json [...]           # markdown rows for a README
     python3 scripts/bench.py table --levels RESULTS.json [...]  # each build's medians, order effect
@@ -35,6 +36,7 @@ import math
 import os
 import platform
 import random
+import re
 import shlex
 import shutil
 import statistics
@@ -456,6 +458,9 @@ class Build:
     name: str
     site: str
     python: str
+    # Variables this build's servers get on top of the harness's own (--a-env, --b-env): one
+    # build with a setting against the same build without it.
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def _server_args(args, group: Group) -> list[str]:
@@ -519,7 +524,7 @@ def start_servers(args, plan: Plan, builds: list[Build], work_dir: Path, out_dir
             server = serving.start_server(
                 f"bench-{group.name}-{build.side}", build.site, dirs[group.model],
                 args.port_base + 2 * gi + si, str(out_dir), _server_args(args, group),
-                home=str(home), max_model_len=group.max_model_len, python=build.python)
+                home=str(home), max_model_len=group.max_model_len, python=build.python, env_extra=build.env)
             servers.append({**server, "group": group.name, "side": build.side})
     return servers
 
@@ -599,7 +604,7 @@ def new_results(args, plan: Plan, builds: list[Build], argv: list[str]) -> dict:
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["scripts/bench.py", *argv]),
         "environment": {"gpu": gpu_info(), "platform": platform.platform(),
-                        "builds": {b.side: {"name": b.name, "site": b.site, "python": b.python,
+                        "builds": {b.side: {"name": b.name, "site": b.site, "python": b.python, "env": b.env,
                                             "versions": build_versions(b.python, b.site)} for b in builds}},
         "settings": {"seed": args.seed, "resamples": args.resamples, "confidence": args.confidence,
                      "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
@@ -622,7 +627,8 @@ def run(args, argv: list[str]) -> int:
     out_dir, work_dir = Path(args.out), Path(args.work_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work_dir.mkdir(parents=True, exist_ok=True)
-    builds = [Build("A", args.a_name, args.a_site, args.a_python), Build("B", args.b_name, args.b_site, args.b_python)]
+    builds = [Build("A", args.a_name, args.a_site, args.a_python, dict(args.a_env)),
+              Build("B", args.b_name, args.b_site, args.b_python, dict(args.b_env))]
     homes = [_home(work_dir, g.name, b) for g in plan.groups for b in builds]
     if args.fresh_caches:
         for home in homes:
@@ -778,8 +784,9 @@ def _title(doc: dict) -> str:
     gpus = env.get("gpu", {}).get("gpus") or [{}]
     builds = env.get("builds", {})
     names = " vs ".join(f"{s}={builds.get(s, {}).get('name', s)}" for s in SIDES)
-    vllm = builds.get("A", {}).get("versions", {}).get("vllm", "?")
-    return f"{gpus[0].get('name', 'GPU ?')}, vLLM {vllm}, {names}, {doc['created'][:10]}"
+    # Two bases name both vLLMs: the plot of a base-vs-base run must not read as one base.
+    versions = dict.fromkeys(builds.get(s, {}).get("versions", {}).get("vllm", "?") for s in SIDES)
+    return f"{gpus[0].get('name', 'GPU ?')}, vLLM {' vs '.join(versions)}, {names}, {doc['created'][:10]}"
 
 
 def plot(paths: list[str], out_dir: str | None = None) -> list[Path]:
@@ -880,6 +887,14 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
                         help="multiply each workload's requests per round (at least its concurrency)")
 
 
+def env_assignment(text: str) -> tuple[str, str]:
+    """KEY=VALUE, as --a-env / --b-env take it."""
+    key, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY an environment variable name, got {text!r}")
+    return key, value
+
+
 def _add_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--a-site", required=True, help="site-packages of build A (e.g. stock vLLM)")
     parser.add_argument("--b-site", required=True, help="site-packages of build B (e.g. with the overlay)")
@@ -887,6 +902,10 @@ def _add_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--b-name", default="overlay")
     parser.add_argument("--a-python", default=sys.executable, help="the Python that serves A")
     parser.add_argument("--b-python", default=sys.executable, help="the Python that serves B")
+    for side in ("a", "b"):
+        parser.add_argument(f"--{side}-env", action="append", type=env_assignment, default=[], metavar="KEY=VALUE",
+                            help=f"an environment variable for build {side.upper()}'s servers (repeatable), "
+                                 "e.g. one build with a vLLM setting against itself without it")
     parser.add_argument("--model", required=True, help="the tiny GLM-5 directory (scripts/make_tiny_model.py)")
     parser.add_argument("--mtp-model", help="the tiny GLM-5 with its MTP layer, for the mtp groups")
     parser.add_argument("--out", required=True, help="results.json and the server logs go here")

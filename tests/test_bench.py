@@ -257,7 +257,7 @@ FAKE_MAIN = textwrap.dedent('''\
     signal.signal(signal.SIGTERM, on_term)
     if options.get("crash_exit") is not None:
         sys.exit(options["crash_exit"])
-    print("INFO fake vllm serve", sys.argv[1:], flush=True)
+    print("INFO fake vllm serve", sys.argv[1:], "probe:", os.environ.get("DSA_BENCH_PROBE"), flush=True)
     test_bench.FakeServer(state, port).httpd.serve_forever()
 ''')
 
@@ -723,6 +723,25 @@ def test_the_two_builds_need_two_names(capsys):
     assert "--a-name and --b-name must differ; both are 'x'" in capsys.readouterr().err
 
 
+def test_each_build_serves_with_the_environment_it_is_given_and_the_results_say_so(tmp_path, tiny_model):
+    # One build against itself with one setting changed: the servers of B alone get it.
+    code, doc = _run_bench(tmp_path, tiny_model, "--workloads", "512x128-c1", "--rounds-scale", "0.1",
+                           "--requests-scale", "0.5", "--b-name", "overlay-probed", "--b-env", "DSA_BENCH_PROBE=on",
+                           "--b-env", "VLLM_EXAMPLE=a=b", fake={"ttft_s": 0.002})
+    assert code == 0, doc.get("error")
+    builds = doc["environment"]["builds"]
+    assert builds["A"]["env"] == {} and builds["B"]["env"] == {"DSA_BENCH_PROBE": "on", "VLLM_EXAMPLE": "a=b"}
+    assert "probe: None" in (tmp_path / "out" / "server-bench-base-A.log").read_text()
+    assert "probe: on" in (tmp_path / "out" / "server-bench-base-B.log").read_text()
+
+
+@pytest.mark.parametrize("value", ["NOEQUALS", "=x", "1BAD=x", "A-B=x"])
+def test_an_environment_assignment_that_is_not_key_value_is_refused(value, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args([*_RUN_ARGS, "--a-env", value])
+    assert f"expected KEY=VALUE with KEY an environment variable name, got {value!r}" in capsys.readouterr().err
+
+
 def test_a_build_whose_vllm_cannot_make_the_model_info_starts_no_server(tmp_path, tiny_model):
     site = fake_vllm_site(tmp_path / "site")
     (site / "vllm" / "model_executor" / "models" / "registry.py").unlink()
@@ -832,6 +851,16 @@ def test_plots_are_made_from_the_json_alone(tmp_path):
     written = bench.plot([str(path)], str(tmp_path / "png"))
     assert sorted(p.name for p in written) == ["acceptance.png", "ratios.png", "rounds-512x128-c1.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+
+
+def test_a_plot_title_names_both_bases_of_a_base_vs_base_run_and_one_otherwise():
+    doc = _results_doc()
+    doc["environment"]["builds"] = {side: {"name": f"overlay-{v}", "versions": {"vllm": v}}
+                                    for side, v in (("A", "0.24.0"), ("B", "0.33.0"))}
+    assert bench._title(doc) == ("NVIDIA H200, vLLM 0.24.0 vs 0.33.0, A=overlay-0.24.0 vs B=overlay-0.33.0, "
+                                 "2026-12-01")
+    doc["environment"]["builds"]["A"] = {"name": "stock", "versions": {"vllm": "0.33.0"}}
+    assert bench._title(doc).startswith("NVIDIA H200, vLLM 0.33.0, A=stock vs B=overlay-0.33.0")
 
 
 def test_plot_refuses_a_file_that_is_not_results(tmp_path):
