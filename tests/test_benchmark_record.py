@@ -1,5 +1,5 @@
 """The recorded benchmark and warm-start runs, re-read: every figure the docs cite comes out of
-the committed results and logs again (docs/benchmarks/h200-2026-12-01-vllm0_33_0 and
+the committed results and logs again (the runs under docs/benchmarks and
 docs/validation/h200-2026-12-01-vllm0_33_0-run5). No GPU: these read files."""
 
 from __future__ import annotations
@@ -15,9 +15,15 @@ from dsa_image import bench
 from dsa_image.validation import warmstart
 
 REPO = Path(__file__).resolve().parent.parent
-BENCH_RUN = REPO / "docs" / "benchmarks" / "h200-2026-12-01-vllm0_33_0"
+BENCHMARKS = REPO / "docs" / "benchmarks"
+BENCH_RUN = BENCHMARKS / "h200-2026-12-01-vllm0_33_0"
 RESULTS = [BENCH_RUN / "base" / "results.json", BENCH_RUN / "mtp-long" / "results.json"]
+BASES = BENCHMARKS / "h200-2026-12-01-vllm0_24_0-vs-vllm0_33_0"
+MTP2 = BENCHMARKS / "h200-2026-12-01-vllm0_33_0-mtp2"
+ALL_RESULTS = [*RESULTS, BASES / "results.json", MTP2 / "results.json"]
 RUN5 = REPO / "docs" / "validation" / "h200-2026-12-01-vllm0_33_0-run5"
+BAKE_RECEIPTS = {version: entry["RECEIPT_SHA256"] for version, entry in
+                 json.loads((REPO / "docker-bake.json").read_text())["variable"]["VLLM"]["default"].items()}
 
 
 def _docs() -> list[dict]:
@@ -35,7 +41,7 @@ def _lines(path: Path) -> set[str]:
 # -- the results themselves ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("path", ALL_RESULTS, ids=lambda p: p.parent.name)
 def test_each_recorded_run_follows_the_schema_and_ran_every_planned_round(path):
     doc = bench.load_results(path)
     assert bench.schema_problems(doc) == [] and "error" not in doc and not doc.get("group_errors")
@@ -115,15 +121,30 @@ def _started_before_each_jit(log: Path) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("log", sorted(BENCH_RUN.glob("*/server-*.log")), ids=lambda p: p.name)
-def test_no_compilation_fell_in_a_measured_round(log):
-    # The first c=8 workload's unrecorded warm-up round is each server's requests 85-100 (84
-    # before it: the c=1 workload's 4 warm-up and 80 measured requests); the long group's is 1-2.
+def _unrecorded_requests(doc: dict, group: str) -> set[int]:
+    """The request numbers, as one server of `group` counts them, of each workload's unrecorded
+    warm-up round: each workload of the group sends one round of its requests first, then its
+    measured rounds."""
+    warmup, sent = set(), 0
+    for w in doc["workloads"]:
+        if w["group"] == group:
+            warmup |= set(range(sent + 1, sent + w["requests"] + 1))
+            sent += w["requests"] * (1 + w["rounds_done"])
+    return warmup
+
+
+@pytest.mark.parametrize("path, log", [
+    pytest.param(path, log, id=str(log.relative_to(BENCHMARKS)))
+    for path in ALL_RESULTS for log in sorted(path.parent.glob("server-*.log"))])
+def test_no_compilation_fell_in_a_measured_round(path, log):
+    # The first benchmark's JITs all came after request 92 (the first c=8 workload's warm-up round
+    # is requests 85-100) or in the long group's first request; the bases' 0.24.0 server compiled
+    # `_compute_slot_mapping_kernel` in its very first request.
+    doc = bench.load_results(path)
+    group = log.stem.removeprefix("server-bench-").rsplit("-", 1)[0]
     counts = _started_before_each_jit(log)
-    window = range(1, 3) if "-long-" in log.name else range(85, 101)
-    assert all(count in window for count in counts), counts
-    jit = [k for doc in _docs() for k in doc["jit_during_inference"].get(log.stem.removeprefix("server-"), [])]
-    assert len(counts) == len(jit)
+    assert set(counts) <= _unrecorded_requests(doc, group), counts
+    assert len(counts) == len(doc["jit_during_inference"][log.stem.removeprefix("server-")])
 
 
 # -- the warm start of the fifth run ----------------------------------------------------------------
@@ -162,3 +183,131 @@ def test_the_fifth_runs_receipt_is_the_bakes():
     bake = json.loads((REPO / "docker-bake.json").read_text())
     assert hashlib.sha256((RUN5 / "receipt.json").read_bytes()).hexdigest() == \
         bake["variable"]["VLLM"]["default"]["0.33.0"]["RECEIPT_SHA256"]
+
+
+# -- the two bases against each other, and MTP 2 ------------------------------------------------------
+
+
+def _verdicts(path: Path) -> dict[str, dict[str, str]]:
+    return {w["name"]: {m: s["verdict"] for m, s in w["summary"].items()} for w in bench.load_results(path)["workloads"]}
+
+
+@pytest.mark.parametrize("path", [BASES / "results.json", MTP2 / "results.json"], ids=lambda p: p.parent.name)
+def test_each_ratio_interval_and_verdict_of_the_later_runs_follows_from_the_rounds(path):
+    doc = bench.load_results(path)
+    settings = doc["settings"]
+    for w in doc["workloads"]:
+        for r in w["rounds"]:
+            assert r["ratios"] == pytest.approx(bench.round_ratios(r["sides"]["A"]["stats"], r["sides"]["B"]["stats"]))
+        again = bench.summarize(w["rounds"], settings["resamples"], settings["confidence"], settings["seed"])
+        for metric, summary in w["summary"].items():
+            assert again[metric]["verdict"] == summary["verdict"]
+            for key in ("median_ratio", "ci_low", "ci_high"):
+                assert again[metric][key] == pytest.approx(summary[key], rel=1e-12)
+
+
+@pytest.mark.parametrize("record", [BASES, MTP2], ids=lambda p: p.name)
+def test_the_later_records_show_the_tables_their_results_give(record):
+    doc = [bench.load_results(record / "results.json")]
+    text = _lines(record / "README.md")
+    assert set(bench.table(doc).splitlines()) <= text
+    assert set(bench.levels_table(doc).splitlines()) <= text
+    assert set(bench.table(doc).splitlines()) <= _lines(REPO / "README.md")
+
+
+def test_the_bases_are_the_two_images_builds_with_the_bakes_receipts():
+    doc = bench.load_results(BASES / "results.json")
+    builds = doc["environment"]["builds"]
+    assert [(builds[s]["name"], builds[s]["versions"]["vllm"], builds[s]["versions"]["torch"]) for s in bench.SIDES] == [
+        ("overlay-0.24.0", "0.24.0", "2.11.0"), ("overlay-0.33.0", "0.33.0", "2.14.0")]
+    for side in bench.SIDES:
+        version = builds[side]["versions"]["vllm"]
+        assert builds[side]["versions"]["overlay_receipt_sha256"] == BAKE_RECEIPTS[version]
+    assert doc["caches_warm_at_start"] is False
+
+
+def test_vllm_0_33_is_behind_0_24_as_the_record_says_and_in_either_order():
+    verdicts = _verdicts(BASES / "results.json")
+    assert {name: v["output_tok_s"] for name, v in verdicts.items()} == dict.fromkeys(verdicts, "B behind")
+    assert [name for name, v in verdicts.items() if v["tpot_s"] == "B behind"] == [
+        "512x128-c1", "512x128-c8", "6000x128-c8"]
+    assert [name for name, v in verdicts.items() if v["ttft_p50_s"] == "B behind"] == ["512x128-c32", "6000x128-c8"]
+    assert [name for name, v in verdicts.items() if v["ttft_p99_s"] == "B behind"] == ["6000x128-c8"]
+    assert not any("B ahead" in v.values() for v in verdicts.values())
+    doc = bench.load_results(BASES / "results.json")
+    medians = [w["summary"]["output_tok_s"]["median_ratio"] for w in doc["workloads"]]
+    assert (round(100 * (1 - max(medians))), round(100 * (1 - min(medians)))) == (10, 16)
+    texts = [w["texts"] for w in doc["workloads"]]
+    assert (sum(t["equal"] for t in texts), sum(t["compared"] for t in texts)) == (2, 1040)
+    record = " ".join((BASES / "README.md").read_text().split())
+    assert "10–16% fewer output tokens/s" in record and "2 of the 1,040 prompts" in record
+
+
+def _line(log: Path, needle: str) -> str:
+    return next(line for line in log.read_text(errors="replace").splitlines() if needle in line)
+
+
+def test_what_the_bases_record_says_differs_at_start_is_in_their_logs():
+    a, b = BASES / "server-bench-base-A.log", BASES / "server-bench-base-B.log"
+    assert "(v0.24.0)" in _line(a, "Initializing a V1 LLM engine") and "(v0.33.0)" in _line(b, "Initializing a V1 LLM engine")
+    assert "'mode': <CompilationMode.VLLM_COMPILE: 3>" in _line(a, "compilation_config=")
+    config = _line(b, "compilation_config=")
+    assert "'mode': <CompilationMode.NONE: 0>" in config and "'custom_ops': ['all']" in config
+    assert "'splitting_ops': []" in config
+    for log in (a, b):
+        assert "'cudagraph_mode': <CUDAGraphMode.FULL_AND_PIECEWISE" in _line(log, "compilation_config=")
+    assert "Auto-enabling VLLM_USE_BREAKABLE_CUDAGRAPH=1" in b.read_text() and "BREAKABLE" not in a.read_text()
+    assert "Using V2 Model Runner" in b.read_text() and "V2 Model Runner" not in a.read_text()
+    assert "Using FLASHMLA_SPARSE attention backend" in a.read_text()
+    assert "Using FLASH_ATTN_MLA_SPARSE attention backend" in b.read_text()
+
+
+@pytest.mark.parametrize("record, groups, cited", [
+    (BASES, ("base",), "291 s (A, 0.24.0) / 293 s (B, 0.33.0)"),
+    (MTP2, ("mtp2",), "284 s (A) / 289 s (B)"),
+])
+def test_the_later_records_start_up_times_are_the_results(record, groups, cited):
+    healthy = bench.load_results(record / "results.json")["healthy_after_s"]
+    assert sorted(healthy) == sorted(f"bench-{g}-{s}" for g in groups for s in bench.SIDES)
+    a, b = (round(healthy[f"bench-{groups[0]}-{s}"]) for s in bench.SIDES)
+    assert cited.startswith(f"{a} s") and f"/ {b} s" in cited
+    assert cited in " ".join((record / "README.md").read_text().split())
+
+
+def test_mtp2_is_the_flattened_path_the_same_texts_and_drafts_on_both_sides():
+    doc = bench.load_results(MTP2 / "results.json")
+    builds = doc["environment"]["builds"]
+    assert builds["B"]["versions"]["overlay_receipt_sha256"] == BAKE_RECEIPTS["0.33.0"]
+    assert builds["A"]["versions"]["vllm"] == builds["B"]["versions"]["vllm"] == "0.33.0"
+    for side in bench.SIDES:
+        assert "use_flattening=True supports_varlen=False (next_n=3" in (MTP2 / f"server-bench-mtp2-{side}.log").read_text()
+    record = " ".join((MTP2 / "README.md").read_text().split())
+    for w in doc["workloads"]:
+        assert w["texts"]["equal"] == w["texts"]["compared"] == w["requests"] * w["rounds_done"]
+        a, b = w["spec_decode"]["A"], w["spec_decode"]["B"]
+        assert a == b and a["accepted_tokens"] == 0
+        assert f"{a['drafts']:,.0f}" in record and f"{a['draft_tokens']:,.0f}" in record
+    assert _verdicts(MTP2 / "results.json") == {
+        "mtp2-512x128-c1": {"output_tok_s": "within interval", "ttft_p50_s": "within interval",
+                            "ttft_p99_s": "B ahead", "tpot_s": "within interval"},
+        "mtp2-512x128-c8": dict.fromkeys(("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_s"), "within interval")}
+
+
+def test_the_lean_at_concurrency_8_is_the_rounds():
+    (c8,) = [w for w in bench.load_results(MTP2 / "results.json")["workloads"] if w["name"] == "mtp2-512x128-c8"]
+    low = [r for r in c8["rounds"] if r["ratios"]["output_tok_s"] < 0.9]
+    high = [r for r in c8["rounds"] if r["ratios"]["output_tok_s"] >= 0.9]
+    assert (len(low), len(high)) == (6, 4)
+    assert 0.815 <= min(r["ratios"]["output_tok_s"] for r in low) and max(r["ratios"]["output_tok_s"] for r in low) < 0.865
+    assert 0.955 <= min(r["ratios"]["output_tok_s"] for r in high) and max(r["ratios"]["output_tok_s"] for r in high) < 1.155
+    assert 1.205 <= min(r["ratios"]["tpot_s"] for r in low) and max(r["ratios"]["tpot_s"] for r in low) < 1.265
+    assert "6 of its 10 rounds gave the overlay 0.82–0.86" in " ".join((MTP2 / "README.md").read_text().split())
+
+
+def test_the_readmes_count_of_stock_vs_overlay_intervals_is_the_results():
+    summaries = [s for path in [*RESULTS, MTP2 / "results.json"] for w in bench.load_results(path)["workloads"]
+                 for s in w["summary"].values()]
+    verdicts = [s["verdict"] for s in summaries]
+    assert (len(verdicts), verdicts.count("within interval"), verdicts.count("B ahead")) == (44, 43, 1)
+    assert ("Of the 44 intervals (11 workloads, 4 metrics), 43 contain 1 and one lies below it, in the overlay's "
+            "favour (`mtp2-512x128-c1` TTFT p99)") in " ".join((REPO / "README.md").read_text().split())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import lock
+from dsa_image import bench, lock
 from dsa_image.lock import Pin
 from dsa_image.recipe import load_recipe
 from dsa_image.validation import stage, torch_libs
@@ -517,3 +517,17 @@ def test_the_bench_phase_serves_the_two_builds_it_is_given_under_their_names(tmp
     default, default_root = _bench(tmp_path / "default"), tmp_path / "default" / "root"
     assert (f"benchmark bench: --a-site {default_root}/site-stock-0.33.0 "
             f"--b-site {default_root}/site-overlay-0.33.0 --a-name stock --b-name overlay") in default.stdout
+
+
+def test_bench_args_come_last_so_they_can_rename_b_and_give_it_a_setting():
+    # `BENCH_A=X BENCH_B=X BENCH_ARGS="--b-name X-setting --b-env K=V"` measures a setting: that
+    # needs BENCH_ARGS after the builds' names on bench.py's command line (argparse: last wins).
+    script = SCRIPT.read_text()
+    body = script[script.index("\nbench() {"):]
+    command = body[body.index('"$repo/scripts/bench.py" run'):body.index(") \\\n    > \"$results/$label.log\"")]
+    assert command.index('"${bench_builds[@]}"') < command.index("${BENCH_ARGS:-}")
+    assert command.rstrip().endswith("${BENCH_ARGS:-}")
+    args = bench.parse_args(["run", "--a-site", "s", "--b-site", "s", "--a-name", "overlay-0.33.0", "--b-name",
+                             "overlay-0.33.0-control", "--model", "m", "--out", "o",
+                             "--b-name", "overlay-0.33.0-compiled", "--b-env", "VLLM_USE_BREAKABLE_CUDAGRAPH=0"])
+    assert (args.b_name, args.b_env) == ("overlay-0.33.0-compiled", [("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")])

@@ -42,7 +42,7 @@ RUN1 = REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0"
 RUN4 = REPO / "docs" / "validation" / "h200-2026-12-01-vllm0_33_0-run4"
 # The image's first start, and the benchmark of the same session.
 RUN5 = REPO / "docs" / "validation" / "h200-2026-12-01-vllm0_33_0-run5"
-BENCH_RUN5 = REPO / "docs" / "benchmarks" / "h200-2026-12-01-vllm0_33_0"
+BENCHMARKS = REPO / "docs" / "benchmarks"
 RECIPES_0_24 = REPO / "docs" / "validation" / "h200-2026-11-30-overlay-f1d4805b" / "recipes"
 TOOLCHAIN_0_24 = REPO / "docs" / "validation" / "h200-2026-11-30-overlay-c2b8469b" / "toolchain-server.log"
 WHEEL_0_33 = wheel_cache_path("vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl")
@@ -99,9 +99,10 @@ def _seconds(line: str) -> int:
     return 3600 * int(hours) + 60 * int(minutes) + int(seconds)
 
 
-# Every server log of the fourth and fifth runs (the fifth's benchmark included).
+# Every server log of the fourth and fifth runs and of every benchmark (0.24.0's servers of the
+# bases benchmark included).
 FROM_THE_IMAGES_HOME = [*sorted(RUN4.glob("*/server-*.log")), *sorted(RUN5.glob("*/server-*.log")),
-                        *sorted(BENCH_RUN5.glob("*/server-*.log"))]
+                        *sorted(BENCHMARKS.glob("**/server-*.log"))]
 
 
 @pytest.mark.parametrize("log", FROM_THE_IMAGES_HOME, ids=lambda path: f"{path.parent.name}/{path.name}")
@@ -109,7 +110,7 @@ def test_servers_started_from_the_images_home_resolve_their_model_classes_at_onc
     # The model info the image ships was in each HOME: no 42-44 s inspection per class, as the
     # 8x B200 recipe's server with an empty cache spent (run3).
     lines = log.read_text(errors="replace").splitlines()
-    banner = next(line for line in lines if "[startup.py:" in line)
+    banner = next(line for line in lines if "non-default args:" in line)
     resolved = [line for line in lines if "Resolved architecture:" in line]
     assert resolved and all(_seconds(line) - _seconds(banner) <= 1 for line in resolved)
 
