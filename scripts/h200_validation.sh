@@ -19,12 +19,12 @@
 #            width, b12x metadata path) and compare; last, make the model info the image
 #            ships, per side (model_infos).
 #   prepare  the install phase without the probes (to serve on a fresh machine).
-#   sites    the install phase alone: the two sites, verified, and the tiny GLM-5 (a base
-#            only another base's call serves, e.g. bench's BENCH_A=overlay-0.24.0 beside
-#            VLLM=0.33.0, which makes that build's model info itself).
 #            Both make the model info in /tmp/model-info-X.Y.Z: the mtp, longctx, deploy,
 #            warmstart, bench and cluster servers start from the entries there (made once a
 #            machine per side and model), as from the image's first docker run.
+#   sites    the install phase alone: the two sites, verified, and the tiny GLM-5, no model
+#            info (for the bench phase, which makes its builds' own, e.g. BENCH_A=overlay-0.24.0
+#            beside VLLM=0.33.0).
 #   hosttime build() host time, stock and overlay interleaved in one process.
 #   toolchain the smoke test with the image's pip CUDA toolkit as the only toolkit.
 #   serve    stock twice and the overlay once, served side by side, CUDA graphs on
