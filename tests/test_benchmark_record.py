@@ -311,3 +311,21 @@ def test_the_readmes_count_of_stock_vs_overlay_intervals_is_the_results():
     assert (len(verdicts), verdicts.count("within interval"), verdicts.count("B ahead")) == (44, 43, 1)
     assert ("Of the 44 intervals (11 workloads, 4 metrics), 43 contain 1 and one lies below it, in the overlay's "
             "favour (`mtp2-512x128-c1` TTFT p99)") in " ".join((REPO / "README.md").read_text().split())
+
+
+def test_the_bases_records_account_of_the_0_24_overlays_speed_change_is_its_measurements():
+    # The 0.24.0 overlay's build() saving, from its H200 host-time record, against the TPOT gap
+    # this run measured: both the README and the record cite them.
+    host = json.loads((REPO / "docs" / "validation" / "h200-2026-11-30-overlay-c2b8469b" / "host-time.json"
+                       ).read_text())
+    (bs1,) = [s for s in host["scenarios"] if s["scenario"] == "decode_bs1"]
+    (c1,) = [w for w in bench.load_results(BASES / "results.json")["workloads"] if w["name"] == "512x128-c1"]
+    tpot = [statistics.median(r["sides"][side]["stats"]["tpot_s"] for r in c1["rounds"]) for side in bench.SIDES]
+    gap_us = round(1e6 * (tpot[1] - tpot[0]))
+    assert (bs1["host_us_stock"], bs1["host_us_overlay"], round(bs1["host_us_stock"] - bs1["host_us_overlay"])) == \
+        (65.5, 61.2, 4)
+    cited = (f"saves about 4 µs a decode step", f"({bs1['host_us_stock']} → {bs1['host_us_overlay']} µs",
+             f"TPOT {gap_us:.0f} µs longer on 0.33.0 at concurrency 1 ({1e3 * tpot[0]:.2f} → {1e3 * tpot[1]:.2f} ms)")
+    for doc in (REPO / "README.md", BASES / "README.md"):
+        text = " ".join(doc.read_text().split())
+        assert all(part in text for part in cited), doc
