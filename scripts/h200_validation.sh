@@ -352,8 +352,8 @@ warmstart() {
 }
 
 # BENCH_A and BENCH_B pick the builds, each SIDE-X.Y.Z: stock or overlay of a base that
-# `prepare` installed on this machine (both bases side by side: BENCH_A=overlay-A.B.C
-# BENCH_B=overlay-X.Y.Z, after a prepare of each; the same build twice: the A/A control, B
+# `sites` (or `prepare`) installed on this machine (both bases side by side: BENCH_A=overlay-A.B.C
+# BENCH_B=overlay-X.Y.Z, after `sites` of each; the same build twice: the A/A control, B
 # named BUILD-control). Unset: stock and overlay of this base.
 bench_builds=()
 bench_inputs() {
