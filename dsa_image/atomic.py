@@ -21,10 +21,12 @@ class NotRegularFile(OSError):
         super().__init__(errno.EINVAL, "not a regular file (a FIFO, socket, device or directory)", str(path))
 
 
-def fsync_dir(directory: Path | str) -> None:
+def fsync_dir(directory: Path | str, dir_fd: int | None = None) -> None:
     """Make the directory's entries (a rename, a new link) durable. Some filesystems cannot
-    fsync a directory (EINVAL): there the rename is as durable as they make it anyway."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fsync a directory (EINVAL): there the rename is as durable as they make it anyway. With
+    `dir_fd`, `directory` is a name in that directory, and a symlink there is refused."""
+    nofollow = os.O_NOFOLLOW if dir_fd is not None else 0
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | nofollow, dir_fd=dir_fd)
     try:
         os.fsync(fd)
     except OSError as exc:
@@ -44,14 +46,16 @@ def _write_fd(fd: int, data: bytes, mode: int, owner: tuple[int, int] | None) ->
     os.fsync(fd)
 
 
-def write_new(path: Path | str, data: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
-    """Create `path`, which must not exist, with `data`, durably; on failure no file is left."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def write_new(path: Path | str, data: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None,
+              dir_fd: int | None = None) -> None:
+    """Create `path` (a name in `dir_fd` if given), which must not exist, with `data`, durably;
+    on failure no file is left."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         _write_fd(fd, data, mode, owner)
     except BaseException:
         os.close(fd)
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
         raise
     os.close(fd)
 

@@ -5,26 +5,30 @@ signal, recovery after a kill). `dsa_image.overlay` re-exports both; import from
 from __future__ import annotations
 
 import contextlib
-import fnmatch
-import json
+import importlib.util
+import marshal
 import os
+import re
 import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from . import overlay_fs as fs
 from . import overlay_txn as txn
 from .atomic import read_regular
 from .manifest import Entry, Manifest, ManifestError, load_manifest
 from .overlay_core import (BAD_INPUT, CANNOT_WRITE, DRIFT, LOCK_TIMEOUT, ORIGINALS_DIR_NAME,
                            RECEIPT_NAME, TOOL, TXN_DIR_NAME, OverlayError, cache_path,
-                           expected_receipt, file_sha256, installed_vllm_version, load_inputs, looks_like_receipt,
-                           read_overlay_files, receipt_bytes, reinstall_advice, require_dir, stale_bytecode)
+                           expected_receipt, file_sha256, installed_vllm_version, is_bytecode_of, load_inputs,
+                           looks_like_receipt, read_overlay_files, receipt_bytes, reinstall_advice, require_dir,
+                           stale_bytecode)
 from .recipe import RECIPES_DIR
-from .wheels import sha256_file
 
 Report = Callable[[str], None] | None
+PROBE_PREFIX = ".overlay-probe."  # check_writable's temp files: a killed run's are removed by the next one
+_PROBE = re.compile(re.escape(PROBE_PREFIX) + r"[a-z0-9_]{8}")  # what tempfile.mkstemp makes of the prefix
 
 
 def _absolute(path: Path) -> Path:
@@ -33,10 +37,45 @@ def _absolute(path: Path) -> Path:
     return Path(os.path.abspath(path))
 
 
-def _recover(site: Path, version: str, report: Report) -> None:
-    note = txn.recover(site, version)
+def _scope(site: Path, manifest: Manifest, receipt: Path | None) -> txn.Scope:
+    """What a journal or index in `site` may name: the manifest's files, and the receipts this
+    run trusts (the default one and the caller's --receipt; none read from disk)."""
+    return txn.Scope(frozenset(site / e.path for e in manifest.files),
+                     frozenset({site / RECEIPT_NAME, *([receipt] if receipt else [])}))
+
+
+def _prepare(site: Path, manifest: Manifest, receipt: Path | None, report: Report) -> str | None:
+    """Under the exclusive lock, before anything is planned: the stash directories must be
+    ours, and what a killed run left (a transaction, writability probes) is finished or
+    rolled back. Returns what recovery did (None: nothing)."""
+    txn.check_stashes(site)
+    note = txn.recover(site, _scope(site, manifest, receipt), manifest.vllm_version)
     if note and report:
         report(note)
+    remove_probes(site, probe_dirs(site, manifest, receipt or site / RECEIPT_NAME))
+    return note
+
+
+def managed_paths(site: Path, manifest: Manifest) -> list[Path]:
+    """Every installed path the manifest's entries cover: the files, and each .py file's
+    bytecode (present, and the one this interpreter writes)."""
+    paths = [site / e.path for e in manifest.files]
+    for source in (p for p in list(paths) if p.suffix == ".py"):
+        paths += [*stale_bytecode(source), cache_path(source)]
+    return list(dict.fromkeys(paths))
+
+
+def no_symlinks(site: Path, manifest: Manifest, paths: list[Path]) -> None:
+    """apply and revert act on real files in real directories of the site only: a symlink
+    there could lead anywhere (overlay_fs refuses one swapped in later, too)."""
+    for path in paths:
+        link = fs.symlink_on_the_way(site, path)
+        if link is not None:
+            raise OverlayError(CANNOT_WRITE, (
+                f"{link} is a symlink (-> {os.readlink(link)}), where vLLM installs a real "
+                f"{'directory' if link != path else 'file'}; apply and revert never act through a symlink in "
+                f"{site}. Nothing was changed. {reinstall_advice(manifest.vllm_version, site)} after removing it "
+                f"(`rm {link}`), then re-run"))
 
 
 # --- apply ------------------------------------------------------------------------------------
@@ -50,17 +89,33 @@ def apply(site: Path, recipe_id: str, manifest_path: Path, overlay_dir: Path, re
     site = _absolute(site)
     require_dir(site)
     receipt_path = check_receipt_target(site, manifest, _absolute(receipt_path or site / RECEIPT_NAME))
+    receipt = expected_receipt(recipe.id, manifest, raw)
     with txn.site_lock(site, exclusive=True, timeout=lock_timeout):
-        _recover(site, manifest.vllm_version, report)
+        recovered = _prepare(site, manifest, receipt_path, report)
+        if recovered and _carries(site, manifest, receipt_path, receipt_bytes(receipt)):
+            # A killed revert rolled back, or a killed apply finished: what apply makes is there.
+            if report:
+                report(f"{site}: the overlay is applied, with its receipt {receipt_path}")
+            return receipt
+        paths, dirs = _apply_paths(site, manifest, receipt_path)
+        no_symlinks(site, manifest, [*paths, *dirs])
         problems = drift_problems(site, manifest, installed_vllm_version(site))
         if problems:
             raise OverlayError(DRIFT, "\n".join(problems))
         check_writable(site, manifest, receipt_path)
-        receipt = expected_receipt(recipe.id, manifest, raw)
-        paths, dirs = _apply_paths(site, manifest, receipt_path)
         txn.run(site, "apply", paths, dirs, receipt_path,
                 lambda t: _install(t, site, manifest, contents, receipt_path, receipt_bytes(receipt)))
     return receipt
+
+
+def _carries(site: Path, manifest: Manifest, receipt_path: Path, receipt: bytes) -> bool:
+    """The receipt apply would write is there and every file is the overlay's."""
+    try:
+        if fs.read(site, receipt_path) != receipt:
+            return False
+    except OSError:
+        return False
+    return all(file_sha256(site / e.path, site) == e.overlay_sha256 for e in manifest.files)
 
 
 def check_receipt_target(site: Path, manifest: Manifest, receipt_path: Path, action: str = "apply replaces",
@@ -107,7 +162,7 @@ def _entry_problem(site: Path, manifest: Manifest, entry: Entry, installed: str)
     target = site / entry.path
     made_for = f"the overlay was made for vLLM {manifest.vllm_version}"
     reinstall = f"Nothing was changed. {reinstall_advice(manifest.vllm_version, site)}, then re-run apply."
-    found = file_sha256(target)
+    found = file_sha256(target, site)
     if entry.new:
         if found == entry.overlay_sha256:
             return None  # ours, left by an earlier apply (pip --force-reinstall keeps it): same bytes
@@ -132,32 +187,55 @@ def _entry_problem(site: Path, manifest: Manifest, entry: Entry, installed: str)
             f"{found} and the installed vLLM is {installed}. {reinstall}")
 
 
-def check_writable(site: Path, manifest: Manifest, receipt_path: Path) -> None:
-    """Create and remove a temp file in every directory apply writes to: catches read-only
-    mounts even for root (os.access does not), before anything changes."""
+def probe_dirs(site: Path, manifest: Manifest, receipt_path: Path) -> list[Path]:
+    """Every directory apply writes to."""
     directories = {site} | {(site / e.path).parent for e in manifest.files}
     directories |= {d / "__pycache__" for d in directories if (d / "__pycache__").is_dir()}
     directories.add(receipt_path.parent)
-    for directory in sorted(directories):
+    return sorted(directories)
+
+
+def check_writable(site: Path, manifest: Manifest, receipt_path: Path) -> None:
+    """Create and remove a temp file in every directory apply writes to: catches read-only
+    mounts even for root (os.access does not), before anything changes. One a SIGKILL left
+    is removed by the next apply or revert (remove_probes, under the lock)."""
+    for directory in probe_dirs(site, manifest, receipt_path):
         try:
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".overlay-probe.")
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=PROBE_PREFIX)
             os.close(fd)
             os.unlink(tmp)
         except OSError as exc:
             raise OverlayError(CANNOT_WRITE, f"{directory}: cannot write ({exc.strerror or exc}). Nothing was changed.") from exc
 
 
+def remove_probes(site: Path, directories: list[Path]) -> None:
+    """The writability probes a killed run left: regular files of check_writable's names only."""
+    for directory in directories:
+        try:
+            names = fs.listdir(site, directory)
+        except OSError:
+            continue  # absent, or not a real directory (apply refuses that later, saying why)
+        for name in filter(_PROBE.fullmatch, names):
+            with contextlib.suppress(OSError):  # read-only: check_writable then says so
+                st = fs.lstat(site, directory / name)
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    fs.unlink(site, directory / name)
+
+
 def _apply_paths(site: Path, manifest: Manifest, receipt_path: Path) -> tuple[list[Path], list[Path]]:
     """Every path apply may change (sources, their bytecode, the receipt), and the
     __pycache__ directories it creates: the journal lists them before the first change."""
-    paths = [site / e.path for e in manifest.files]
-    dirs = []
-    for source in (site / e.path for e in manifest.files if e.path.endswith(".py")):
-        cache = source.parent / "__pycache__"
-        if not os.path.lexists(cache) and cache not in dirs:
-            dirs.append(cache)
-        paths += [*stale_bytecode(source), cache_path(source)]
-    return list(dict.fromkeys([*paths, receipt_path])), dirs
+    caches = [(site / e.path).parent / "__pycache__" for e in manifest.files if e.path.endswith(".py")]
+    dirs = [cache for cache in dict.fromkeys(caches) if not fs.exists(site, cache)]
+    return list(dict.fromkeys([*managed_paths(site, manifest), receipt_path])), dirs
+
+
+def checked_pyc(source: Path, data: bytes) -> bytes:
+    """The CHECKED_HASH bytecode py_compile writes for `data` at `source` (PEP 552: magic,
+    flags, the source's hash, the code): Python re-hashes the source before trusting it, and
+    it has no mtime in it (reproducible). Made here, so that it is staged like any content."""
+    code = compile(data, str(source), "exec", dont_inherit=True)
+    return importlib.util.MAGIC_NUMBER + (0b11).to_bytes(4, "little") + importlib.util.source_hash(data) + marshal.dumps(code)
 
 
 def _install(t: txn.Transaction, site: Path, manifest: Manifest, contents: dict[str, bytes],
@@ -165,14 +243,15 @@ def _install(t: txn.Transaction, site: Path, manifest: Manifest, contents: dict[
     t.make_dirs()
     for entry in manifest.files:
         t.put(site / entry.path, contents[entry.path])
-    for source in (site / e.path for e in manifest.files if e.path.endswith(".py")):
+    for entry in (e for e in manifest.files if e.path.endswith(".py")):
+        source = site / entry.path
         cfile = cache_path(source)
         for stale in stale_bytecode(source):
             if stale != cfile:
                 t.remove(stale)
-        t.put(cfile, compile_from=source)
+        t.put(cfile, checked_pyc(source, contents[entry.path]), mode=stat.S_IMODE(fs.lstat(site, source).st_mode) & 0o666)
     for entry in manifest.files:
-        installed = sha256_file(site / entry.path)
+        installed = file_sha256(site / entry.path, site)
         if installed != entry.overlay_sha256:
             raise OverlayError(CANNOT_WRITE, f"{entry.path}: installed copy has sha256 {installed}, "
                                              f"expected {entry.overlay_sha256}")
@@ -199,51 +278,73 @@ def revert(site: Path, manifest_path: Path, receipt_path: Path | None = None,
         raise OverlayError(BAD_INPUT, str(exc)) from exc
     site = _absolute(site)
     require_dir(site)
+    given = _absolute(receipt_path) if receipt_path else None
     with txn.site_lock(site, exclusive=True, timeout=lock_timeout):
-        _recover(site, manifest.vllm_version, report)
-        originals, recorded_receipt, made_dirs = _originals(site)
-        receipt = _absolute(receipt_path) if receipt_path else recorded_receipt or site / RECEIPT_NAME
-        receipt_ops = _revert_receipt(site, manifest, receipt, ours=receipt_path is None)
+        _prepare(site, manifest, given, report)
+        no_symlinks(site, manifest, [*managed_paths(site, manifest), given or site / RECEIPT_NAME])
+        originals, recorded_receipt, made_dirs = _originals(site, manifest)
+        receipt = given or _recorded_receipt(site, recorded_receipt)
+        receipt_ops = _revert_receipt(site, manifest, receipt, ours=given is None)
         problems, notes = [], []
         ops = [op for e in manifest.files for op in _revert_entry(site, manifest, e, originals, problems, notes)]
         ops += receipt_ops
         if problems:
             raise OverlayError(DRIFT, "\n".join(problems))
-        if not ops and not os.path.lexists(site / ORIGINALS_DIR_NAME):
+        if not ops and not fs.exists(site, site / ORIGINALS_DIR_NAME):
             return notes + [f"{site}: nothing to revert (no overlay file, receipt or originals in it)"]
         txn.run(site, "revert", [op.path for op in ops], [], receipt, lambda t: _execute(t, ops))
         for directory in reversed(made_dirs):
             with contextlib.suppress(OSError):  # only empty ones go: the __pycache__ apply made
-                os.rmdir(directory)
+                fs.rmdir(site, directory)
     return notes + [f"{'restored' if op.source else 'removed'} {op.path}" for op in ops]
 
 
-def _originals(site: Path) -> tuple[dict[Path, Path], Path | None, list[Path]]:
+def _originals(site: Path, manifest: Manifest) -> tuple[dict[Path, Path], Path | None, list[Path]]:
     """What the last apply kept: path -> its original, where it wrote the receipt, and the
-    directories it created."""
+    directories it created. The index is read back like any input (txn.read_document)."""
     directory = site / ORIGINALS_DIR_NAME
+    index = directory / txn.INDEX
+    if not fs.exists(site, index):
+        return {}, None, []  # none: revert asks for a reinstall wherever it needs an original
+    scope = _scope(site, manifest, None)
     try:
-        doc = json.loads(read_regular(directory / txn.INDEX))
-        kept = txn.Transaction.from_document(site, doc, directory)
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return {}, None, []  # none or unreadable: revert asks for a reinstall wherever it needs one
-    return {s.path: s.orig for s in kept.slots if s.orig is not None}, kept.receipt, kept.dirs
+        kept = txn.read_document(site, index, scope)
+    except (OSError, ValueError) as exc:
+        raise OverlayError(CANNOT_WRITE, (
+            f"{index}: unreadable, or not an index this tool writes ({exc}); nothing was changed. "
+            f"{reinstall_advice(manifest.vllm_version, site)}, move the originals away (`mv {directory} "
+            f"{directory}.moved`), then re-run revert: it removes the overlay's remaining files")) from exc
+    originals = {s.path: s.orig for s in kept.slots if s.orig is not None and scope.holds(s.path)}
+    return originals, kept.receipt, kept.dirs
+
+
+def _recorded_receipt(site: Path, recorded: Path | None) -> Path:
+    """Where apply wrote the receipt, by the index: acted on without --receipt only when it is
+    the site's default one (a path read from disk never leads outside the site)."""
+    default = site / RECEIPT_NAME
+    if recorded is None or recorded == default:
+        return default
+    raise OverlayError(CANNOT_WRITE, (
+        f"{site / ORIGINALS_DIR_NAME / txn.INDEX}: names the receipt {recorded}, but revert removes a receipt "
+        f"other than {default} only when the command names it; nothing was changed. If apply was given "
+        f"`--receipt {recorded}`, run `{TOOL} revert --site-packages {site} --receipt {recorded}`; otherwise "
+        f"`{TOOL} revert --site-packages {site} --receipt {default}`"))
 
 
 def _revert_entry(site: Path, manifest: Manifest, entry: Entry, originals: dict[Path, Path],
                   problems: list[str], notes: list[str]) -> list[_Op]:
     target = site / entry.path
-    found = file_sha256(target)
+    found = file_sha256(target, site)
     if entry.new:
-        if found != entry.overlay_sha256 and os.path.lexists(target):
+        if found != entry.overlay_sha256 and fs.exists(site, target):
             notes.append(f"{target}: left alone, it is not the file the overlay added (sha256 {found})")
             return []
-        ours = [_Op(target, None)] if os.path.lexists(target) else []
+        ours = [_Op(target, None)] if fs.exists(site, target) else []
         return ours + _bytecode_back(target, {})
     if found == entry.upstream_sha256:
         return []  # already upstream (pip reinstalled it): its bytecode is pip's too
     original = originals.get(target)
-    if found == entry.overlay_sha256 and original is not None and file_sha256(original) == entry.upstream_sha256:
+    if found == entry.overlay_sha256 and original is not None and file_sha256(original, site) == entry.upstream_sha256:
         return [_Op(target, original)] + _bytecode_back(target, originals)
     if found == entry.overlay_sha256:
         what = f"carries the overlay, but {site / ORIGINALS_DIR_NAME} keeps no intact original of it"
@@ -258,13 +359,12 @@ def _revert_entry(site: Path, manifest: Manifest, entry: Entry, originals: dict[
 def _bytecode_back(source: Path, originals: dict[Path, Path]) -> list[_Op]:
     """The bytecode apply moved aside comes back (valid again: it is the original source
     inode that returns); bytecode written since goes."""
-    cache = source.parent / "__pycache__"
-    kept = {p: o for p, o in originals.items() if p.parent == cache and fnmatch.fnmatchcase(p.name, f"{source.stem}.*.pyc")}
+    kept = {p: o for p, o in originals.items() if is_bytecode_of(source, p)}
     return [_Op(p, o) for p, o in sorted(kept.items())] + [_Op(p, None) for p in stale_bytecode(source) if p not in kept]
 
 
 def _revert_receipt(site: Path, manifest: Manifest, receipt: Path, ours: bool) -> list[_Op]:
-    if not os.path.lexists(receipt):
+    if not fs.exists(site, receipt):
         return []
     check_receipt_target(site, manifest, receipt, "revert deletes", ours)
     return [_Op(receipt, None)]

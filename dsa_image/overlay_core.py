@@ -5,12 +5,13 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import signal
 import sys
 from pathlib import Path
 
-from . import dist_info, wheels
+from . import dist_info, overlay_fs, wheels
 from .atomic import NotRegularFile, read_regular
 from .manifest import Manifest, ManifestError, load_manifest
 from .recipe import RECIPES_DIR, REPO_ROOT, Recipe, RecipeError, load_recipe, vllm_dir
@@ -137,10 +138,11 @@ def reason(exc: BaseException) -> str:
     return getattr(exc, "strerror", None) or str(exc)
 
 
-def file_sha256(path: Path) -> str | None:
-    """sha256 of a regular file at `path`; None when there is none (absent, FIFO, directory)."""
+def file_sha256(path: Path, site: Path | None = None) -> str | None:
+    """sha256 of a regular file at `path`; None when there is none (absent, FIFO, directory).
+    With `site`: reached from it without following a symlink (a symlink: None too)."""
     try:
-        return wheels.sha256_bytes(read_regular(path))
+        return wheels.sha256_bytes(overlay_fs.read(site, path) if site else read_regular(path))
     except OSError:
         return None
 
@@ -149,6 +151,12 @@ def stale_bytecode(source: Path) -> list[Path]:
     """Every cached .pyc of `source` in its __pycache__ (any interpreter tag, any optimization)."""
     cache = source.parent / "__pycache__"
     return sorted(cache.glob(f"{source.stem}.*.pyc")) if cache.is_dir() else []
+
+
+def is_bytecode_of(source: Path, path: Path) -> bool:
+    """`path` is one of the names stale_bytecode globs for `source` (a .py file)."""
+    return (source.suffix == ".py" and path.parent == source.parent / "__pycache__"
+            and fnmatch.fnmatchcase(path.name, f"{source.stem}.*.pyc"))
 
 
 def cache_path(source: Path) -> Path:

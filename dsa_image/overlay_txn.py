@@ -17,15 +17,19 @@ A run killed outright (SIGKILL, power loss) leaves the directory; the next apply
 finds it under the lock and rolls it back (journal.json) or finishes it (index.json) first.
 The lock is flock(2) on the site-packages directory itself: no lock file to leave behind or to
 create on a full or read-only disk, and the kernel drops it with its holder.
+
+Whoever may write the site may have planted anything there, so the stash directories must be
+real directories of this process's user (check_stashes), a journal or index read back names
+only what the manifest manages (Scope, Transaction.from_document), and every change goes
+through overlay_fs, which never follows a symlink inside the site.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
-import py_compile
-import shutil
 import signal
 import stat
 import threading
@@ -35,9 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .atomic import fsync_dir, read_regular, write_atomic, write_new
+from . import overlay_fs as fs
+from .atomic import fsync_dir, read_regular
 from .overlay_core import (CANNOT_WRITE, LOCK_TIMEOUT, ORIGINALS_DIR_NAME, TOOL, TXN_DIR_NAME, Interrupted,
-                           OverlayError, looks_like_receipt, reason, reinstall_command)
+                           OverlayError, is_bytecode_of, looks_like_receipt, reason, reinstall_command)
 
 JOURNAL = "journal.json"
 INDEX = "index.json"
@@ -123,6 +128,23 @@ class Slot:
     new: Path  # where the new content is staged
 
 
+@dataclass(frozen=True)
+class Scope:
+    """What a journal or an index read back from disk may name; anything else refuses it.
+    files: the manifest's entries (absolute paths in the site); a .py entry's bytecode in its
+    __pycache__ is in scope too, and so is that directory. receipts: the receipts this run
+    trusts (the site's default one and the caller's --receipt): the only paths outside the
+    manifest's files a recovery acts on."""
+    files: frozenset[Path]
+    receipts: frozenset[Path]
+
+    def holds(self, path: Path) -> bool:
+        return path in self.files or any(is_bytecode_of(source, path) for source in self.files)
+
+    def holds_dir(self, path: Path) -> bool:
+        return any(path == source.parent / "__pycache__" for source in self.files if source.suffix == ".py")
+
+
 class Transaction:
     def __init__(self, site: Path, kind: str, slots: list[Slot], dirs: list[Path], receipt: Path):
         self.site, self.kind, self.slots, self.dirs, self.receipt = site, kind, slots, dirs, receipt
@@ -133,148 +155,196 @@ class Transaction:
     def begin(cls, site: Path, kind: str, paths: list[Path], dirs: list[Path], receipt: Path) -> Transaction:
         """Create the stash directory and its journal; nothing else is touched yet."""
         txn_dir = site / TXN_DIR_NAME
-        os.mkdir(txn_dir, 0o755)
+        fs.mkdir(site, txn_dir, 0o755)
         try:
-            slots = [_slot(site, txn_dir, i, path) for i, path in enumerate(paths)]
+            slots = [_slot(site, txn_dir, i, path, fs.exists(site, path)) for i, path in enumerate(paths)]
             txn = cls(site, kind, slots, dirs, receipt)
-            write_atomic(txn_dir / JOURNAL, json.dumps(txn.document(), indent=1).encode())
+            staged = txn_dir / (JOURNAL + ".new")  # complete or absent: a recovery reads no half journal
+            fs.write_new(site, staged, json.dumps(txn.document(), indent=1).encode(), 0o644, None)
+            fs.replace(site, staged, txn_dir / JOURNAL)
+            fs.fsync(site, txn_dir)
             fsync_dir(site)
         except BaseException:
-            shutil.rmtree(txn_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                fs.remove_tree(site, txn_dir)
             raise
         return txn
 
     def document(self) -> dict:
         """Paths relative to the site and the stash, nothing per-run (no pid, no time): apply
         keeps this as the originals' index, and the image layer stays reproducible."""
-        return {"kind": self.kind, "receipt": self._rel(self.receipt, self.site),
-                "dirs": [self._rel(d, self.site) for d in self.dirs],
-                "slots": [{"path": self._rel(s.path, self.site), "orig": s.orig and self._rel(s.orig, self.dir),
-                           "new": self._rel(s.new, self.dir)} for s in self.slots]}
-
-    @staticmethod
-    def _rel(path: Path, base: Path) -> str:
-        return path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
+        return {"kind": self.kind, "receipt": _rel(self.receipt, self.site),
+                "dirs": [_rel(d, self.site) for d in self.dirs],
+                "slots": [{"path": _rel(s.path, self.site), "orig": s.orig and _rel(s.orig, self.dir),
+                           "new": _rel(s.new, self.dir)} for s in self.slots]}
 
     @classmethod
-    def from_document(cls, site: Path, doc: dict, txn_dir: Path) -> Transaction:
-        """Read back a journal or index. Recovery may run as root on what another user could
-        write, so every path must lie in the site (its stash in the stash directory), except
-        the receipt's (its slots beside it); anything else is refused as unreadable."""
+    def from_document(cls, site: Path, doc, txn_dir: Path, scope: Scope) -> Transaction:
+        """Read back a journal or index (its stash directory `txn_dir` already checked: a real
+        one, ours). The tool wrote it, but into a directory others may write, and a recovery
+        may run as root: so it is input like any other. Every path must be relative and
+        normalised, a file or __pycache__ the manifest manages (or the journal's receipt),
+        with no symlink on the way; each slot exactly the stash names `document` writes. The
+        receipt is returned as named: the caller acts on it only if `scope` trusts it.
+        Raises ValueError saying what is wrong."""
+        if not isinstance(doc, dict) or set(doc) != {"kind", "receipt", "dirs", "slots"}:
+            raise ValueError("expected a JSON object with exactly the keys dirs, kind, receipt, slots")
         if doc["kind"] not in ("apply", "revert"):
             raise ValueError(f"unknown kind {doc['kind']!r}")
-        receipt = Path(os.path.normpath(site / doc["receipt"]))
-        slots = [_slot_from(site, txn_dir, receipt, s) for s in doc["slots"]]
-        return cls(site, doc["kind"], slots, [_inside(site, d) for d in doc["dirs"]], receipt)
+        if not isinstance(doc["dirs"], list) or not isinstance(doc["slots"], list):
+            raise ValueError("dirs and slots must be lists")
+        receipt = _path(site, doc["receipt"], absolute=True)
+        dirs = [_path(site, d) for d in doc["dirs"]]
+        for directory in dirs:
+            if not scope.holds_dir(directory):
+                raise ValueError(f"{directory}: not a __pycache__ directory of a module the manifest manages")
+        slots = [_slot_from(site, txn_dir, i, item, receipt, scope) for i, item in enumerate(doc["slots"])]
+        if len({s.path for s in slots}) != len(slots) or len(set(dirs)) != len(dirs):
+            raise ValueError("a path is named twice")
+        for path in [*dirs, *(s.path for s in slots)]:
+            link = fs.symlink_on_the_way(site, path.parent)
+            if link is not None:
+                raise ValueError(f"{path}: {link} on the way is a symlink (-> {os.readlink(link)})")
+        return cls(site, doc["kind"], slots, dirs, receipt)
 
     # -- changes: each one stashes the original first ---------------------------------------
 
     def make_dirs(self) -> None:
         for directory in self.dirs:
-            os.mkdir(directory, 0o755)
+            fs.mkdir(self.site, directory, 0o755)
 
-    def put(self, path: Path, data: bytes | None = None, *, link: Path | None = None,
-            compile_from: Path | None = None, mode: int = 0o644) -> None:
-        """Swap `path` to new content (bytes, a hard link to `link`, or the checked-hash
-        bytecode of `compile_from`), in the mode and owner of the file it replaces."""
+    def put(self, path: Path, data: bytes | None = None, *, link: Path | None = None, mode: int = 0o644) -> None:
+        """Swap `path` to new content (bytes, or a hard link to `link`), in the mode and owner
+        of the file it replaces (`mode` for a new file)."""
         slot = self.by_path[path]
-        like = _stat(path)
+        like = fs.lstat(self.site, path)
         owner = (like.st_uid, like.st_gid) if like else None
-        if os.path.lexists(slot.new):
-            os.unlink(slot.new)
+        if fs.exists(self.site, slot.new):
+            fs.unlink(self.site, slot.new)
         if data is not None:
-            write_new(slot.new, data, stat.S_IMODE(like.st_mode) if like else mode, owner)
-        elif link is not None:
-            os.link(link, slot.new, follow_symlinks=False)
+            fs.write_new(self.site, slot.new, data, stat.S_IMODE(like.st_mode) if like else mode, owner)
         else:
-            _compile(compile_from, slot.new, owner)
+            fs.link(self.site, link, slot.new)
         self._stash(slot)
-        os.replace(slot.new, path)
+        fs.replace(self.site, slot.new, path)
 
     def remove(self, path: Path) -> None:
         slot = self.by_path[path]
-        if slot.orig is not None and os.path.lexists(path) and not os.path.lexists(slot.orig):
-            os.rename(path, slot.orig)
+        if slot.orig is not None and fs.exists(self.site, path) and not fs.exists(self.site, slot.orig):
+            fs.rename(self.site, path, slot.orig)
 
     def _stash(self, slot: Slot) -> None:
-        if slot.orig is None or os.path.lexists(slot.orig):
+        if slot.orig is None or fs.exists(self.site, slot.orig):
             return
         try:
-            os.link(slot.path, slot.orig, follow_symlinks=False)
+            fs.link(self.site, slot.path, slot.orig)
         except PermissionError:  # fs.protected_hardlinks: not our inode; a rename keeps it too
-            os.rename(slot.path, slot.orig)
+            fs.rename(self.site, slot.path, slot.orig)
 
     # -- the two ways out -------------------------------------------------------------------
 
     def commit(self) -> None:
         """The point of no return: everything is durable, then journal.json -> index.json."""
-        for directory in sorted({self.dir} | {s.path.parent for s in self.slots if os.path.isdir(s.path.parent)}):
-            fsync_dir(directory)
-        os.replace(self.dir / JOURNAL, self.dir / INDEX)
+        parents = {s.path.parent for s in self.slots if _is_dir(fs.lstat(self.site, s.path.parent))}
+        for directory in sorted({self.dir} | parents):
+            fs.fsync(self.site, directory)
+        fs.replace(self.site, self.dir / JOURNAL, self.dir / INDEX)
 
     def rollback(self) -> list[str]:
         """Put every original back; one line per path that could not be (the stash then stays)."""
         failures = []
         for slot in reversed(self.slots):
             try:
-                _restore(slot, deletable=slot.path.is_relative_to(self.site) or _is_receipt(slot.path))
+                self._restore(slot)
             except OSError as exc:
                 kept = f"its original is kept at {slot.orig}" if slot.orig else "it did not exist before"
                 failures.append(f"{slot.path} ({reason(exc)}; {kept})")
         for directory in reversed(self.dirs):
             try:
-                os.rmdir(directory)
+                fs.rmdir(self.site, directory)
             except OSError:
                 pass  # absent, or holds files someone else put there
         if not failures:
             self._discard()
         return failures
 
+    def _restore(self, slot: Slot) -> None:
+        if slot.orig is None:
+            # A path that did not exist: ours to delete inside the site; outside it, only a receipt.
+            if fs.exists(self.site, slot.path) and (slot.path.is_relative_to(self.site) or _is_receipt(slot.path)):
+                fs.unlink(self.site, slot.path)
+        elif fs.exists(self.site, slot.orig):
+            # Two links to one inode (killed between link and swap): rename is a no-op, and the
+            # stash is discarded with its directory.
+            fs.replace(self.site, slot.orig, slot.path)
+        if fs.exists(self.site, slot.new):
+            fs.unlink(self.site, slot.new)
+
     def finish(self) -> None:
         """After the commit point: apply keeps the originals, revert drops them."""
         self._drop_outside()
         if self.kind == "apply":
             keep = {INDEX} | {s.orig.name for s in self.slots if s.orig and s.orig.parent == self.dir}
-            for leftover in self.dir.iterdir():
-                if leftover.name not in keep:
-                    leftover.unlink()
-            _rmtree(self.site / ORIGINALS_DIR_NAME)
-            os.rename(self.dir, self.site / ORIGINALS_DIR_NAME)
+            for leftover in fs.listdir(self.site, self.dir):
+                if leftover not in keep:
+                    fs.unlink(self.site, self.dir / leftover)
+            fs.remove_tree(self.site, self.site / ORIGINALS_DIR_NAME)
+            fs.rename(self.site, self.dir, self.site / ORIGINALS_DIR_NAME)
         else:
-            _rmtree(self.site / ORIGINALS_DIR_NAME)
-            _rmtree(self.dir)
+            fs.remove_tree(self.site, self.site / ORIGINALS_DIR_NAME)
+            fs.remove_tree(self.site, self.dir)
         fsync_dir(self.site)
 
     def _discard(self) -> None:
         self._drop_outside()
-        _rmtree(self.dir)
+        fs.remove_tree(self.site, self.dir)
 
     def _drop_outside(self) -> None:
         for slot in self.slots:
             for stashed in (slot.orig, slot.new):
-                if stashed is not None and stashed.parent != self.dir and os.path.lexists(stashed):
-                    os.unlink(stashed)
+                if stashed is not None and stashed.parent != self.dir and fs.exists(self.site, stashed):
+                    fs.unlink(self.site, stashed)
 
 
-def _slot(site: Path, txn_dir: Path, index: int, path: Path) -> Slot:
+def _rel(path: Path, base: Path) -> str:
+    return path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
+
+
+def _slot(site: Path, txn_dir: Path, index: int, path: Path, existed: bool) -> Slot:
     base = txn_dir / str(index) if path.is_relative_to(site) else path.parent / f".{path.name}.vllm-overlay"
-    orig = base.with_name(base.name + ".orig") if os.path.lexists(path) else None
-    return Slot(path, orig, base.with_name(base.name + ".new"))
+    return Slot(path, base.with_name(base.name + ".orig") if existed else None, base.with_name(base.name + ".new"))
 
 
-def _inside(base: Path, rel: str) -> Path:
-    path = Path(os.path.normpath(base / rel))
-    if path == base or not path.is_relative_to(base):
-        raise ValueError(f"{rel!r} is not inside {base}")
-    return path
+def _path(site: Path, text, absolute: bool = False) -> Path:
+    """A path as `document` writes it: relative to the site and normalised (no '', '.', '..'
+    part), or, where `absolute`, an absolute normalised path outside the site."""
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise ValueError(f"{text!r}: not a path")
+    if text.startswith("/"):
+        path = Path(text)
+        if not absolute or os.path.normpath(text) != text or path.is_relative_to(site):
+            raise ValueError(f"{text!r}: an absolute path where a path relative to {site} belongs")
+        return path
+    if any(part in ("", ".", "..") for part in text.split("/")):
+        raise ValueError(f"{text!r}: not a normalised path inside {site}")
+    return site / text
 
 
-def _slot_from(site: Path, txn_dir: Path, receipt: Path, doc: dict) -> Slot:
-    path = Path(os.path.normpath(site / doc["path"]))
-    if path != receipt:
-        path = _inside(site, doc["path"])
-    stash = txn_dir if path.is_relative_to(site) else path.parent
-    return Slot(path, doc["orig"] and _inside(stash, doc["orig"]), _inside(stash, doc["new"]))
+def _slot_from(site: Path, txn_dir: Path, index: int, item, receipt: Path, scope: Scope) -> Slot:
+    if not isinstance(item, dict) or set(item) != {"path", "orig", "new"}:
+        raise ValueError(f"slots[{index}]: expected exactly the keys new, orig, path")
+    path = _path(site, item["path"], absolute=True)
+    if path != receipt and not scope.holds(path):
+        raise ValueError(f"slots[{index}]: {path} is neither a file the manifest manages nor the receipt")
+    expected = _slot(site, txn_dir, index, path, existed=True)
+    if item["new"] != _rel(expected.new, txn_dir) or item["orig"] not in (None, _rel(expected.orig, txn_dir)):
+        raise ValueError(f"slots[{index}]: stash names {item['orig']!r}, {item['new']!r} are not the ones "
+                         f"this tool writes for {path}")
+    return Slot(path, expected.orig if item["orig"] else None, expected.new)
+
+
+def _is_dir(st: os.stat_result | None) -> bool:
+    return st is not None and stat.S_ISDIR(st.st_mode)
 
 
 def _is_receipt(path: Path) -> bool:
@@ -284,42 +354,37 @@ def _is_receipt(path: Path) -> bool:
         return False
 
 
-def _stat(path: Path) -> os.stat_result | None:
+# --- the stash directories ---------------------------------------------------------------------
+
+
+def stash_problem(site: Path, name: str, owned: bool = True) -> str | None:
+    """Why SITE/name is not a stash directory this tool may use (None: absent, or one). A
+    FIFO, a file, a symlink or someone else's directory there is not ours: following it,
+    opening it or emptying it could hang or act outside the site. `owned`: it must belong
+    to this process's user (verify, which only reads, runs as any user)."""
+    path = site / name
     try:
-        return os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return None
+    if stat.S_ISDIR(st.st_mode) and (not owned or st.st_uid == os.geteuid()):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        what = f"a {'dangling ' if not os.path.exists(path) else ''}symlink (-> {target})"
+    elif stat.S_ISDIR(st.st_mode):
+        what = f"a directory owned by uid {st.st_uid} (this run's user is uid {os.geteuid()})"
+    else:
+        what = fs.what_is(st)
+    return (f"{path} is {what}, not a stash directory this tool made. Nothing was changed. If no apply or "
+            f"revert of yours is running, look at it and move it away (`mv {path} {path}.moved`), then re-run")
 
 
-def _compile(source: Path, cfile: Path, owner: tuple[int, int] | None) -> None:
-    """CHECKED_HASH bytecode: it carries the source's hash, so Python never runs it for other
-    source bytes, and it has no mtime in it (reproducible)."""
-    py_compile.compile(str(source), cfile=str(cfile), doraise=True,
-                       invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
-    fd = os.open(cfile, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if owner is not None and os.geteuid() == 0:
-            os.fchown(fd, *owner)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _restore(slot: Slot, deletable: bool) -> None:
-    if slot.orig is None:
-        if deletable and os.path.lexists(slot.path):
-            os.unlink(slot.path)
-    elif os.path.lexists(slot.orig):
-        # Two links to one inode (killed between link and swap): rename is a no-op, and the
-        # stash is discarded with its directory.
-        os.replace(slot.orig, slot.path)
-    if os.path.lexists(slot.new):
-        os.unlink(slot.new)
-
-
-def _rmtree(path: Path) -> None:
-    if os.path.lexists(path):
-        shutil.rmtree(path)
+def check_stashes(site: Path) -> None:
+    for name in (TXN_DIR_NAME, ORIGINALS_DIR_NAME):
+        problem = stash_problem(site, name)
+        if problem:
+            raise OverlayError(CANNOT_WRITE, problem)
 
 
 # --- running one, and recovering one a killed process left ----------------------------------
@@ -374,19 +439,21 @@ def _finish(site: Path, kind: str, txn: Transaction) -> None:
             f"`{TOOL} apply` or `revert` on {site} finishes it")) from exc
 
 
-def recover(site: Path, version: str) -> str | None:
-    """Under the exclusive lock: finish or roll back what a killed apply/revert left. Returns
-    what was done (None: nothing was left). `version`: the vLLM to reinstall if it cannot."""
+def recover(site: Path, scope: Scope, version: str) -> str | None:
+    """Under the exclusive lock, the stash directories checked: finish or roll back what a
+    killed apply/revert left. Returns what was done (None: nothing was left). `version`: the
+    vLLM to reinstall if it cannot."""
     txn_dir = site / TXN_DIR_NAME
-    if not os.path.lexists(txn_dir):
+    if not fs.exists(site, txn_dir):
         return None
     with signals_held():
+        names = fs.listdir(site, txn_dir)
         for name, verb in ((INDEX, "finished"), (JOURNAL, "rolled back")):
-            if os.path.lexists(txn_dir / name):
-                txn = Transaction.from_document(site, _read_document(site, txn_dir / name, version), txn_dir)
+            if name in names:
+                txn = _read_document(site, txn_dir / name, scope, version)
                 _complete(site, txn, name)
                 return f"{site}: {verb} the {txn.kind} a killed run left unfinished"
-        _rmtree(txn_dir)  # killed before its journal existed: it had changed nothing
+        fs.remove_tree(site, txn_dir)  # killed before its journal existed: it had changed nothing
     return f"{site}: removed the empty {txn_dir} of a killed run"
 
 
@@ -399,13 +466,29 @@ def _complete(site: Path, txn: Transaction, name: str) -> None:
         raise OverlayError(CANNOT_WRITE, f"{site}: rolling back the interrupted {txn.kind}: {restore_failed(site, failures)}")
 
 
-def _read_document(site: Path, path: Path, version: str) -> dict:
+def read_document(site: Path, path: Path, scope: Scope) -> Transaction:
+    """A journal or index, validated (Transaction.from_document); raises OSError or ValueError."""
     try:
-        doc = json.loads(read_regular(path))
-        Transaction.from_document(site, doc, path.parent)
-        return doc
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        doc = json.loads(fs.read(site, path))
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    return Transaction.from_document(site, doc, path.parent, scope)
+
+
+def _read_document(site: Path, path: Path, scope: Scope, version: str) -> Transaction:
+    try:
+        txn = read_document(site, path, scope)
+    except (OSError, ValueError) as exc:
         raise OverlayError(CANNOT_WRITE, (
-            f"{path}: unreadable ({exc}), so what the interrupted run changed is unknown. Reinstall vLLM "
-            f"{version} with the python of the environment that holds {site} (`{reinstall_command(version)}`), "
-            f"delete {path.parent} (`rm -r {path.parent}`), then re-run")) from exc
+            f"{path}: unreadable, or not a journal this tool writes ({exc}), so what the interrupted run changed "
+            f"is unknown; nothing was changed. Reinstall vLLM {version} with the python of the environment that "
+            f"holds {site} (`{reinstall_command(version)}`), delete {path.parent} (`rm -r {path.parent}`), "
+            "then re-run")) from exc
+    if txn.receipt not in scope.receipts:
+        raise OverlayError(CANNOT_WRITE, (
+            f"{path}: the interrupted {txn.kind} wrote its receipt to {txn.receipt}, but this command names "
+            f"{' or '.join(str(r) for r in sorted(scope.receipts))}; a recovery touches a receipt elsewhere only "
+            f"when the command names it, so nothing was changed. If that run was given `--receipt {txn.receipt}`, "
+            f"re-run with the same --receipt; otherwise reinstall vLLM {version} (`{reinstall_command(version)}`), "
+            f"delete {path.parent} (`rm -r {path.parent}`) and re-run"))
+    return txn

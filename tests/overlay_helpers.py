@@ -103,6 +103,14 @@ class Tree:
         return f"mixed: {files}, receipt={receipt}, stash={stash}"
 
 
+def syscall_path(path, dir_fd: int | None = None) -> Path:
+    """The real path an os call names, for fault injection: overlay_fs passes a bare name and
+    a descriptor of its directory (an *at() call)."""
+    if dir_fd is None:
+        return Path(os.path.realpath(path))
+    return Path(os.readlink(f"/proc/self/fd/{dir_fd}")) / path
+
+
 def expect_error(code: int, fn, *args, **kwargs) -> str:
     with pytest.raises(overlay.OverlayError) as caught:
         fn(*args, **kwargs)

@@ -170,18 +170,19 @@ def test_copy_failing_midway_restores_every_file(tree, monkeypatch):
     pyc.parent.mkdir()
     pyc.write_bytes(b"pre-existing bytecode")
     before = snapshot(tree.site)
-    from dsa_image import overlay_txn
+    from dsa_image import overlay_fs
 
-    real_write = overlay_txn.write_new
+    real_write = overlay_fs.write_new
     calls = []
 
-    def fail_on_second(path, data, mode=0o644, owner=None):
-        calls.append(path)
-        if len(calls) == 2:
-            raise OSError(errno.EIO, "simulated I/O error", str(path))
-        real_write(path, data, mode, owner)
+    def fail_on_second(site, path, *args):
+        if path.name != "journal.json.new":  # the files' new contents only
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError(errno.EIO, "simulated I/O error", str(path))
+        real_write(site, path, *args)
 
-    monkeypatch.setattr(overlay_txn, "write_new", fail_on_second)
+    monkeypatch.setattr(overlay_fs, "write_new", fail_on_second)
     message = expect_error(overlay.CANNOT_WRITE, tree.apply)
     assert "every file was restored" in message
     assert len(calls) == 2

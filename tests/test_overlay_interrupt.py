@@ -29,11 +29,12 @@ STASH = ".vllm_overlay_txn"
 DRIVER = r"""
 import errno, json, os, runpy, sys, time
 tool, marker, release, mode, nth, watched = sys.argv[1:7]
-nth, watched = int(nth), set(json.loads(watched))
+nth, watched = int(nth), {os.path.realpath(p) for p in json.loads(watched)}
 real_replace, seen = os.replace, [0]
 
 def replace(src, dst, *args, **kwargs):
-    hit = os.fspath(dst) in watched
+    fd = kwargs.get("dst_dir_fd")  # overlay_fs: a bare name in the directory fd refers to
+    hit = (os.path.join(os.readlink(f"/proc/self/fd/{fd}"), dst) if fd is not None else os.path.realpath(dst)) in watched
     if hit and mode == "fail-before":
         seen[0] += 1
         if seen[0] == nth:

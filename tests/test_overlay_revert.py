@@ -24,7 +24,8 @@ import pytest
 
 from dsa_image import overlay
 
-from overlay_helpers import OVERLAY, SOURCES, UPSTREAM, VERSION, Tree, expect_error, run_cli, snapshot
+from overlay_helpers import (OVERLAY, SOURCES, UPSTREAM, VERSION, Tree, expect_error, run_cli, snapshot,
+                             syscall_path)
 
 ORIGINALS = ".vllm_overlay_originals"
 
@@ -86,10 +87,10 @@ def test_revert_failing_midway_leaves_the_overlay_whole(tree, monkeypatch):
     applied = snapshot(tree.site)
     real_rename = os.rename
 
-    def rename(src, dst, *args, **kwargs):
-        if Path(src) == tree.site / "vllm/a/new.py":
+    def rename(src, dst, *args, src_dir_fd=None, **kwargs):
+        if syscall_path(src, src_dir_fd) == syscall_path(tree.site / "vllm/a/new.py"):
             raise PermissionError(errno.EACCES, "injected refusal", str(src))
-        return real_rename(src, dst, *args, **kwargs)
+        return real_rename(src, dst, *args, src_dir_fd=src_dir_fd, **kwargs)
 
     monkeypatch.setattr(os, "rename", rename)
     message = expect_error(overlay.CANNOT_WRITE, tree.revert)

@@ -18,7 +18,7 @@ import pytest
 from dsa_image import overlay
 
 from overlay_helpers import (OVERLAY, SOURCES, UPSTREAM, Tree, expect_error, fill_bytes, fill_inodes, need_root,
-                             run_cli, snapshot, tmpfs)
+                             run_cli, snapshot, syscall_path, tmpfs)
 
 # Sources big enough that a few pages of free space run out in the middle of apply.
 BIG_UPSTREAM = {**UPSTREAM, **{rel: data + b"# " + b"u" * 12000 + b"\n" for rel, data in UPSTREAM.items()
@@ -138,15 +138,15 @@ def test_a_failed_restore_names_the_file_and_its_advice_works(tmp_path, monkeypa
     first, second = (tree.site / rel for rel in SOURCES[:2])
     real_replace, state = os.replace, {"failed_forward": False, "failed_restore": False}
 
-    def replace(src, dst, *args, **kwargs):
-        dst = Path(dst)
-        if dst == second and not state["failed_forward"]:
+    def replace(src, dst, *args, dst_dir_fd=None, **kwargs):
+        target = syscall_path(dst, dst_dir_fd)
+        if target == syscall_path(second) and not state["failed_forward"]:
             state["failed_forward"] = True
-            raise OSError(errno.EIO, "injected I/O error", str(dst))
-        if dst == first and state["failed_forward"] and not state["failed_restore"]:
+            raise OSError(errno.EIO, "injected I/O error", str(target))
+        if target == syscall_path(first) and state["failed_forward"] and not state["failed_restore"]:
             state["failed_restore"] = True
-            raise OSError(errno.EACCES, "injected refusal", str(dst))
-        return real_replace(src, dst, *args, **kwargs)
+            raise OSError(errno.EACCES, "injected refusal", str(target))
+        return real_replace(src, dst, *args, dst_dir_fd=dst_dir_fd, **kwargs)
 
     monkeypatch.setattr(os, "replace", replace)
     message = expect_error(overlay.CANNOT_WRITE, tree.apply)
