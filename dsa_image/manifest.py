@@ -124,7 +124,7 @@ def _sha(value, where: str, nullable: bool = False) -> str | None:
 def parse_manifest(data: bytes, where: str = "manifest.json") -> Manifest:
     try:
         doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # not UTF-8, not JSON, or an integer past Python's int-from-text digit limit
         raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
     except RecursionError:
         raise ManifestError(f"{where}: JSON nested too deeply to be a manifest") from None
@@ -339,7 +339,7 @@ def load_changes(path: Path) -> tuple[tuple[Change, ...], dict[str, tuple[str, .
     """The changes a changes.toml defines, and the files each is carried by."""
     try:
         doc = tomllib.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not TOML, an integer past the digit limit
         raise ManifestError(f"{path}: cannot read the named changes ({exc})") from exc
     if set(doc) != {"changes"} or not isinstance(doc["changes"], dict) or not doc["changes"]:
         raise ManifestError(f"{path}: expected only [changes.<id>] tables")

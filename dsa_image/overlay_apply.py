@@ -97,8 +97,9 @@ def apply(site: Path, recipe_id: str, manifest_path: Path, overlay_dir: Path, re
             if report:
                 report(f"{site}: the overlay is applied, with its receipt {receipt_path}")
             return receipt
-        paths, dirs = _apply_paths(site, manifest, receipt_path)
-        no_symlinks(site, manifest, [*paths, *dirs])
+        paths = list(dict.fromkeys([*managed_paths(site, manifest), receipt_path]))
+        no_symlinks(site, manifest, paths)
+        dirs = _new_caches(site, manifest)
         problems = drift_problems(site, manifest, installed_vllm_version(site))
         if problems:
             raise OverlayError(DRIFT, "\n".join(problems))
@@ -222,12 +223,11 @@ def remove_probes(site: Path, directories: list[Path]) -> None:
                     fs.unlink(site, directory / name)
 
 
-def _apply_paths(site: Path, manifest: Manifest, receipt_path: Path) -> tuple[list[Path], list[Path]]:
-    """Every path apply may change (sources, their bytecode, the receipt), and the
-    __pycache__ directories it creates: the journal lists them before the first change."""
+def _new_caches(site: Path, manifest: Manifest) -> list[Path]:
+    """The __pycache__ directories apply creates (the journal lists them, with every path
+    apply may change, before the first change)."""
     caches = [(site / e.path).parent / "__pycache__" for e in manifest.files if e.path.endswith(".py")]
-    dirs = [cache for cache in dict.fromkeys(caches) if not fs.exists(site, cache)]
-    return list(dict.fromkeys([*managed_paths(site, manifest), receipt_path])), dirs
+    return [cache for cache in dict.fromkeys(caches) if not fs.exists(site, cache)]
 
 
 def checked_pyc(source: Path, data: bytes) -> bytes:

@@ -334,8 +334,8 @@ def _slot_from(site: Path, txn_dir: Path, index: int, item, receipt: Path, scope
     if not isinstance(item, dict) or set(item) != {"path", "orig", "new"}:
         raise ValueError(f"slots[{index}]: expected exactly the keys new, orig, path")
     path = _path(site, item["path"], absolute=True)
-    if path != receipt and not scope.holds(path):
-        raise ValueError(f"slots[{index}]: {path} is neither a file the manifest manages nor the receipt")
+    if path != receipt and path not in scope.receipts and not scope.holds(path):
+        raise ValueError(f"slots[{index}]: {path} is neither a file the manifest manages nor a receipt")
     expected = _slot(site, txn_dir, index, path, existed=True)
     if item["new"] != _rel(expected.new, txn_dir) or item["orig"] not in (None, _rel(expected.orig, txn_dir)):
         raise ValueError(f"slots[{index}]: stash names {item['orig']!r}, {item['new']!r} are not the ones "

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from . import overlay_txn as txn
+from .atomic import NotRegularFile, read_regular
 from .manifest import Entry, Manifest
 from .overlay_core import (BAD_INPUT, LOCK_TIMEOUT, MISMATCH, RECEIPT_NAME, TOOL, TXN_DIR_NAME,
                            OverlayError, expected_receipt, file_sha256, installed_vllm_version, load_inputs,
@@ -78,11 +79,14 @@ def _unchanged(site: Path, item: dict, version: str) -> None:
 
 def _no_interrupted_run(site: Path) -> None:
     journal = site / TXN_DIR_NAME / txn.JOURNAL
+    problem = txn.stash_problem(site, TXN_DIR_NAME, owned=False)  # apply may have run as another user
+    if problem:
+        raise OverlayError(MISMATCH, problem)
     if os.path.lexists(site / TXN_DIR_NAME) and not os.path.lexists(site / TXN_DIR_NAME / txn.INDEX):
         raise OverlayError(MISMATCH, (
             f"{site}: an apply or revert was killed mid-way and left {journal}: the files may be half changed. "
-            f"`{TOOL} apply --site-packages {site}` rolls it back and applies; `{TOOL} revert --site-packages {site}` "
-            f"rolls it back to upstream vLLM"))
+            f"`{TOOL} apply --site-packages {site}` rolls it back, then applies (or finds the overlay applied); "
+            f"`{TOOL} revert --site-packages {site}` rolls it back, then reverts to upstream vLLM"))
 
 
 def _check_receipt(receipt: dict, receipt_path: Path, site: Path, recipe_id: str, manifest: Manifest,
@@ -114,8 +118,10 @@ def _no_unchecked_bytecode(site: Path, manifest: Manifest) -> None:
         source = site / entry.path
         for pyc in stale_bytecode(source) if source.suffix == ".py" else []:
             try:
-                with open(pyc, "rb") as f:
-                    flags = int.from_bytes(f.read(8)[4:8], "little")
+                flags = int.from_bytes(read_regular(pyc)[4:8], "little")
+            except NotRegularFile:  # a FIFO would hang the import
+                raise OverlayError(MISMATCH, f"{pyc}: not a regular file, where Python reads {source}'s bytecode. "
+                                             f"Delete it (`rm {pyc}`) and re-run verify") from None
             except OSError:
                 continue
             if flags & _FLAG_HASH and not flags & _FLAG_CHECK:
@@ -125,16 +131,18 @@ def _no_unchecked_bytecode(site: Path, manifest: Manifest) -> None:
 
 
 _IMPORT_PROBE = r"""
-import importlib, importlib.machinery, importlib.util, json, marshal, os, sys
+import importlib, importlib.machinery, importlib.util, json, marshal, os, site, stat, sys, types
 MAGIC, FLAG_HASH, FLAG_CHECK = importlib.util.MAGIC_NUMBER, 0b01, 0b10
+OWN = {"_frozen_importlib", "_frozen_importlib_external", "zipimport"}  # Python's own import machinery
 
 def loadable(pyc, origin, source):
     # The code in `pyc` when this interpreter would run it instead of compiling the source.
     try:
-        with open(pyc, "rb") as f:
-            data = f.read()
+        fd = os.open(pyc, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else b""
     if len(data) < 16 or data[:4] != MAGIC:
         return None
     flags = int.from_bytes(data[4:8], "little")
@@ -147,16 +155,77 @@ def loadable(pyc, origin, source):
             return None  # stale timestamp: Python recompiles from the source
     return marshal.loads(data[16:])
 
+def loader_problems(name, module):
+    # Python's own finder and source loader, as it makes them: an import hook shows here.
+    spec = module.__spec__
+    loader = spec.loader
+    if type(loader) is not importlib.machinery.SourceFileLoader:
+        return [f"loaded by {type(loader).__module__}.{type(loader).__qualname__}, not Python's own source loader"]
+    found = []
+    patched = sorted(set(vars(loader)) - {"name", "path"})
+    if patched:
+        found.append(f"its loader's {', '.join(patched)} was replaced (an import hook)")
+    if getattr(module, "__loader__", None) is not loader or getattr(module, "__file__", None) != spec.origin:
+        found.append("its __loader__ or __file__ is not its spec's")
+    parent = sys.modules.get(name.rpartition(".")[0])
+    stock = importlib.machinery.PathFinder.find_spec(name, getattr(parent, "__path__", None))
+    if stock is None or stock.origin != spec.origin:
+        found.append(f"Python's path finder finds {stock and stock.origin}: another finder supplied it")
+    return found
+
+def codes(code):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from codes(const)
+
+def functions(module, name):
+    # (binding, function) for the module's functions and its own classes' methods.
+    for key, value in vars(module).items():
+        if isinstance(value, types.FunctionType):
+            yield key, value
+        elif isinstance(value, type) and value.__module__ == name:
+            for attr, member in vars(value).items():
+                member = getattr(member, "__func__", member)  # staticmethod, classmethod
+                parts = [member.fget, member.fset, member.fdel] if isinstance(member, property) else [member]
+                for part in parts:
+                    if isinstance(part, types.FunctionType):
+                        yield f"{value.__qualname__}.{attr}", part
+
+def function_problems(module, name, origin, compiled):
+    # Each function the file defines must run the code compiled from it (through decorators
+    # that keep __wrapped__); one bound where the file defines none is checked when it is
+    # the file's own code. What a hook does to other values (constants, data) is not seen.
+    by_name = {}
+    for code in codes(compiled):
+        by_name.setdefault(code.co_qualname, []).append(code)
+    found = []
+    for binding, function in functions(module, name):
+        for _ in range(100):
+            if not isinstance(getattr(function, "__wrapped__", None), types.FunctionType):
+                break
+            function = function.__wrapped__
+        code = function.__code__
+        defined = binding in by_name
+        if not defined and code.co_filename != origin:
+            continue  # made elsewhere (a dataclass's __init__, another module's function)
+        if code.co_filename != origin or code not in by_name.get(binding if defined else code.co_qualname, []):
+            found.append(f"{binding} does not run the code the file defines for it (rewritten at import or "
+                         f"replaced after; its code comes from {code.co_filename})")
+    return found
+
 def problems(name, module):
     spec = module.__spec__
-    if not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
-        return [f"loaded by {type(spec.loader).__name__}, not from its source"]
+    found = loader_problems(name, module)
+    if found and not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+        return found
     origin = spec.origin
     with open(origin, "rb") as f:
         source = f.read()
-    found = []
-    if spec.loader.get_code(name) != compile(source, origin, "exec", dont_inherit=True):
+    compiled = compile(source, origin, "exec", dont_inherit=True)
+    if spec.loader.get_code(name) != compiled:
         found.append("the code Python ran is not compiled from it")
+    found += function_problems(module, name, origin, compiled)
     for opt in ("", 1, 2):
         pyc = importlib.util.cache_from_source(origin, optimization=opt)
         code = loadable(pyc, origin, source)
@@ -165,14 +234,46 @@ def problems(name, module):
             found.append(f"{pyc} is not compiled from it; delete it (rm {pyc})")
     return found
 
+def foreign(objects):
+    # Import machinery that is not Python's own, by name.
+    names = []
+    for obj in objects:
+        kind = obj if isinstance(obj, (type, types.FunctionType)) else type(obj)  # a class, a hook function, an instance
+        if kind.__module__ not in OWN:
+            names.append(f"{kind.__module__}.{kind.__qualname__}")
+    return names
+
+def startup_code():
+    # .pth lines that run code at start-up, and the customize modules site imported.
+    dirs = [*site.getsitepackages(), site.getusersitepackages()] if hasattr(site, "getsitepackages") else []
+    found = []
+    for directory in dict.fromkeys(dirs):
+        try:
+            names = sorted(n for n in os.listdir(directory) if n.endswith(".pth"))
+        except OSError:
+            continue
+        for pth in names:
+            try:
+                with open(os.path.join(directory, pth), "rb") as f:
+                    lines = f.read().decode("utf-8", "replace").splitlines()
+            except OSError:
+                continue
+            if any(line.startswith(("import ", "import\t")) for line in lines):
+                found.append(os.path.join(directory, pth))
+    return found + [m for m in ("sitecustomize", "usercustomize") if m in sys.modules]
+
 modules, out = json.loads(sys.argv[1]), sys.argv[2]
 result = {"sys_path": sys.path, "modules": {}}
-for name in modules:
+imported = {}
+for name in modules:  # all first: a hook that patches a module on a later import shows too
     try:
-        module = importlib.import_module(name)
-        result["modules"][name] = {"file": getattr(module, "__file__", None), "problems": problems(name, module)}
+        imported[name] = importlib.import_module(name)
     except BaseException as exc:
         result["modules"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+for name, module in imported.items():
+    result["modules"][name] = {"file": getattr(module, "__file__", None), "problems": problems(name, module)}
+result["hooks"] = {"sys.meta_path": foreign(sys.meta_path), "sys.path_hooks": foreign(sys.path_hooks),
+                   "start-up code": startup_code()}
 with open(out, "w") as f:
     json.dump(result, f)
 """
@@ -198,7 +299,20 @@ def check_imports(site: Path, entries: tuple[Entry, ...], python: str = sys.exec
         if got["problems"]:
             raise OverlayError(MISMATCH, f"{module}: Python does not run the installed {path}: {'; '.join(got['problems'])}")
         lines.append(f"{module}: {got['file']}")
-    return lines
+    return lines + [_hooks_line(python, result["hooks"])]
+
+
+def _hooks_line(python: str, hooks: dict[str, list[str]]) -> str:
+    """What verify cannot see, said: import machinery and start-up code that are not Python's
+    own may change a module's values at import in ways no check of its code shows."""
+    found = [f"{where}: {', '.join(names)}" for where, names in hooks.items() if names]
+    if not found:
+        return (f"import machinery of {python}: Python's own only (no other sys.meta_path or sys.path_hooks "
+                "entry, no start-up code from a .pth file or sitecustomize)")
+    return (f"note: {python} runs import machinery or start-up code that is not Python's own ({'; '.join(found)}). "
+            "verify checked each overlaid module's finder and loader, the code Python ran, its bytecode and the code "
+            "of its functions and methods; what such code does to the modules' other values (constants, data) at "
+            "import it cannot see")
 
 
 def _run_probe(python: str, modules: list[str], timeout: float) -> dict:

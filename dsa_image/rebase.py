@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from . import overlay, wheels
+from .atomic import read_regular
 from .manifest import Change, Entry, Manifest, Signature
 from .recipe import DEFAULT_RECIPE, REPO_ROOT
 
@@ -1044,9 +1045,37 @@ def write_report(directory: Path, report: dict) -> None:
     (directory / "report.md").write_text(render_markdown(report))
 
 
+SIDES = ("base", "ours", "theirs", "merged")  # the trees write_outputs makes in --out
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """write_outputs replaces the four trees only in a directory an earlier rebase wrote (its
+    report.json is there): anything else at those names is someone's, and is refused."""
+    present = [out_dir / side for side in SIDES if os.path.lexists(out_dir / side)]
+    links = [p for p in present if p.is_symlink() or not p.is_dir()]
+    if links or present and not _rebase_report(out_dir / "report.json"):
+        what = "a symlink or not a directory" if links else "and no report.json of a rebase beside them"
+        raise RebaseError(overlay.BAD_INPUT, (
+            f"--out {out_dir}: {', '.join(p.name for p in links or present)} already there ({what}); rebase "
+            "replaces those trees only where it wrote them, so nothing was written. Move them away or name "
+            "another --out"))
+
+
+def _rebase_report(path: Path) -> bool:
+    try:
+        doc = json.loads(read_regular(path))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("schema") == REPORT_SCHEMA and {"from", "to", "files", "changes"} <= set(doc)
+
+
 def write_outputs(out_dir: Path, merges: list[FileMerge], report: dict) -> None:
-    """base/, ours/, theirs/ and merged/ trees (replaced, so no stale file survives) and the report."""
-    for side in ("base", "ours", "theirs", "merged"):
+    """The report, then the base/, ours/, theirs/ and merged/ trees (replaced, so no stale
+    file survives: check_out_dir allowed it). The report first: a run killed while writing
+    the trees leaves a directory the next run may replace."""
+    check_out_dir(out_dir)
+    write_report(out_dir, report)
+    for side in SIDES:
         tree = out_dir / side
         if tree.is_dir():
             shutil.rmtree(tree)
@@ -1056,7 +1085,6 @@ def write_outputs(out_dir: Path, merges: list[FileMerge], report: dict) -> None:
                 target = tree / merge.path
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(text)
-    write_report(out_dir, report)
 
 
 # --- command line ------------------------------------------------------------------------------
@@ -1132,6 +1160,8 @@ def run_rebase(args) -> int:
     overlay_dir = Path(args.overlay_dir)
     report_dir = _outside(Path(args.report_dir), overlay_dir, "--report-dir") if args.report_dir else None
     out_dir = _outside(Path(args.out), overlay_dir, "--out") if args.out else None
+    if out_dir is not None:
+        check_out_dir(out_dir)  # before any download
     inputs = load(args)
     default_out = REPO_ROOT / "build" / "rebase" / f"{inputs.manifest.vllm_version}-to-{args.to}"
     out_dir = out_dir or _outside(default_out, overlay_dir, "--out")

@@ -440,11 +440,14 @@ def deep_json(depth: int = 100_000) -> bytes:
 
 
 @pytest.mark.parametrize("case", ["python-missing", "python-missing-no-site", "site-missing", "deep-manifest",
-                                  "deep-manifest-verify", "deep-receipt", "recipe-outside", "recipe-absolute"])
+                                  "deep-manifest-verify", "deep-receipt", "recipe-outside", "recipe-absolute",
+                                  "huge-int-manifest", "huge-int-manifest-revert"])
 def test_cli_bad_input_is_exit_2_and_one_line(tree, case):
     site = str(tree.site)
     if case.startswith("deep-manifest"):
         tree.manifest_path.write_bytes(deep_json())
+    if case.startswith("huge-int-manifest"):  # past Python's int-from-text limit (4300 digits): a ValueError
+        tree.manifest_path.write_bytes(b'{"schema": ' + b"1" * 5000 + b"}")
     if case == "deep-receipt":
         tree.apply()
         (tree.site / overlay.RECEIPT_NAME).write_bytes(deep_json())
@@ -457,6 +460,8 @@ def test_cli_bad_input_is_exit_2_and_one_line(tree, case):
         "deep-receipt": ["verify", "--site-packages", site],
         "recipe-outside": ["apply", "--site-packages", site, "--recipe", "../recipes/glm5-dsa"],
         "recipe-absolute": ["apply", "--site-packages", site, "--recipe", str(REPO / "recipes" / "glm5-dsa")],
+        "huge-int-manifest": ["apply", "--site-packages", site],
+        "huge-int-manifest-revert": ["revert", "--site-packages", site],
     }[case]
     before = snapshot(tree.site)
     done = run_cli(*tree.common(), *args)
@@ -494,3 +499,12 @@ def test_drift_and_verify_messages_show_full_sha256(on_path):
     (tree.site / "vllm/envs.py").write_bytes(edited)
     message = expect_error(overlay.MISMATCH, tree.verify)
     assert sha256_bytes(edited) in message and sha256_bytes(OVERLAY["vllm/envs.py"]) in message
+
+
+def test_a_huge_integer_in_changes_toml_is_a_manifest_error(tmp_path):
+    from dsa_image.manifest import load_changes
+
+    changes = tmp_path / "changes.toml"
+    changes.write_text("[changes.a]\ntitle = " + "1" * 5000 + "\n")
+    with pytest.raises(ManifestError, match="cannot read the named changes"):
+        load_changes(changes)

@@ -227,3 +227,48 @@ def test_recovery_never_follows_a_journal_outside_the_site(tree, tmp_path):
     subprocess.run(shlex.split(remove.group(1)), check=True)
     assert run_cli(*tree.common(), "apply", "--site-packages", str(tree.site)).returncode == 0
     assert tree.state() == "overlay" and victim.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("then", ["apply", "revert"])
+def test_after_sigkill_mid_revert_verify_says_what_to_do_and_that_works(tree, tmp_path, then):
+    """The reported case: verify advised apply, and apply rolled the revert back, then exited
+    3 with "Nothing was changed" (a Dockerfile `RUN apply` failed). apply now ends with the
+    overlay applied, revert with upstream vLLM."""
+    upstream = snapshot(tree.site)
+    assert run_cli(*tree.common(), "apply", "--site-packages", str(tree.site)).returncode == 0
+    applied = snapshot(tree.site)
+    proc = start(tree, tmp_path, "pause-after", 1, sources(tree), "revert", "--site-packages", str(tree.site))
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert tree.state().startswith("mixed")
+    verify = run_cli(*tree.common(), "verify", "--site-packages", str(tree.site))
+    assert verify.returncode == overlay.MISMATCH
+    advice = f"scripts/overlay.py {then} --site-packages {tree.site}"
+    assert advice in verify.stderr, verify.stderr
+    done = run_cli(*tree.common(), then, "--site-packages", str(tree.site))
+    assert done.returncode == 0, done.stderr
+    assert "rolled back the revert" in done.stderr and "Nothing was changed" not in done.stderr, done.stderr
+    if then == "apply":
+        assert tree.state() == "overlay" and snapshot(tree.site) == applied
+        assert run_cli(*tree.common(), "verify", "--site-packages", str(tree.site)).returncode == 0
+    else:
+        assert tree.state() == "upstream" and snapshot(tree.site) == upstream
+
+
+def test_a_killed_apply_with_a_receipt_elsewhere_is_recovered_only_with_that_receipt(tree, tmp_path):
+    """A path outside the site comes from the command line, never from the journal: the
+    recovery asks for the same --receipt, then rolls back (the receipt it wrote removed)."""
+    receipt = tmp_path / "out" / "receipt.json"
+    receipt.parent.mkdir()
+    before = snapshot(tree.site)
+    proc = start(tree, tmp_path, "pause-after", 1, [receipt], "apply", "--site-packages", str(tree.site),
+                 "--receipt", str(receipt))
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert receipt.exists()
+    plain = run_cli(*tree.common(), "revert", "--site-packages", str(tree.site))
+    assert plain.returncode == overlay.CANNOT_WRITE and f"--receipt {receipt}" in plain.stderr, plain.stderr
+    assert receipt.exists()
+    done = run_cli(*tree.common(), "revert", "--site-packages", str(tree.site), "--receipt", str(receipt))
+    assert done.returncode == 0 and "rolled back the apply" in done.stderr, done.stderr
+    assert not receipt.exists() and snapshot(tree.site) == before and tree.state() == "upstream"

@@ -363,6 +363,38 @@ def test_the_report_is_deterministic_and_names_no_local_path(pair, tmp_path):
     assert (out / "theirs/vllm/newmod.py").read_text() == "UPSTREAM = True\n" and not (out / "base/vllm/newmod.py").exists()
 
 
+@pytest.mark.parametrize("planted", ["a-directory", "a-symlink"])
+def test_out_never_replaces_trees_rebase_did_not_write(pair, tmp_path, planted):
+    """`--out DIR` deleted whatever DIR/{base,ours,theirs,merged} held. A directory an earlier
+    rebase wrote (its report.json) is replaced; anything else is refused, untouched."""
+    report, merges = pair.run()
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep me\n")
+    out.mkdir()
+    if planted == "a-directory":
+        (out / "merged").mkdir()
+        (out / "merged" / "keep.txt").write_text("keep me\n")
+    else:
+        (out / "merged").symlink_to(elsewhere)
+    with pytest.raises(rebase.RebaseError, match="rebase replaces those trees only where it wrote them") as caught:
+        rebase.write_outputs(out, merges, report)
+    assert caught.value.code == overlay.BAD_INPUT
+    assert (out / "merged" / "keep.txt").read_text() == "keep me\n" and (elsewhere / "keep.txt").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["merged"]  # nothing written
+    code = rebase.main(["--vllm", "0.24.0", "--to", "0.33.0", "--out", str(out)])  # refused before any download
+    assert code == overlay.BAD_INPUT and (out / "merged" / "keep.txt").exists()
+
+
+def test_out_of_an_earlier_rebase_is_replaced(pair, tmp_path):
+    report, merges = pair.run()
+    out = tmp_path / "out"
+    rebase.write_outputs(out, merges, report)
+    (out / "merged" / "stale.py").write_text("from an earlier run\n")
+    rebase.write_outputs(out, merges, report)
+    assert not (out / "merged" / "stale.py").exists() and (out / "merged/vllm/mod.py").exists()
+
+
 def test_a_file_removed_upstream_is_a_conflict_that_says_where_files_of_its_name_are(tmp_path):
     moved = {k: v for k, v in THEIRS_FILES.items() if k != "vllm/mod.py"} | {"vllm/core/mod.py": MOD_THEIRS}
     report, _ = Pair(tmp_path / "p", theirs=moved).run()
