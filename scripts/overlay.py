@@ -16,14 +16,17 @@ commands:
                                 (the overlay's own leftovers are taken over)
   revert --site-packages DIR    upstream vLLM back: the replaced files (kept by apply in
         [--receipt FILE]        DIR/.vllm_overlay_originals) restored, the overlay's new files,
-                                their bytecode and the receipt removed; all or nothing. After a
-                                pip reinstall it only removes the overlay's leftovers
+                                their bytecode and the receipt (default DIR/vllm_overlay_receipt.json;
+                                one apply wrote elsewhere only when named) removed; all or
+                                nothing. After a pip reinstall it only removes the overlay's leftovers
   verify [--site-packages DIR] [--python EXE] [--receipt FILE] [--recipe ID]
                                 re-hash against the receipt (written for --recipe, default
                                 $DSA_IMAGE_RECIPE or glm5-dsa), then import every overlaid
                                 module in a fresh EXE (default: this python) started outside
                                 the repo, require it to come from DIR (default: EXE's purelib)
-                                and to run code compiled from the installed file; writes nothing
+                                through Python's own finder and loader and to run code (its
+                                functions' too) compiled from the installed file; names the
+                                import hooks it cannot see through; writes nothing
   diff                          unified diff of each overlay file against the pinned wheel
   record PATH... --why TEXT     add or update entries (PATH like vllm/envs.py); hashes are
                                 computed from overlay/PATH and the pinned wheel
@@ -45,16 +48,23 @@ exit codes:
   0  ok
   1  verification mismatch: an installed file or the receipt differs from what apply wrote
      (tampered receipt, file changed afterwards, another recipe), a module is imported from
-     elsewhere or runs bytecode not compiled from its file, or a killed run left its journal
-  2  bad usage or input: unknown recipe, malformed or too deeply nested manifest or receipt,
-     a path with a NUL byte, missing or unrecorded overlay file, overlay file changed without
-     `record`, no vLLM or no directory at --site-packages, a --python that cannot run, a
-     --receipt inside vllm/ or naming a file that is not a receipt
+     elsewhere, through another finder or loader, or runs code not compiled from its file, a
+     FIFO at a bytecode path, a killed run left its journal or something not a directory is
+     at DIR/.vllm_overlay_txn
+  2  bad usage or input: unknown recipe, malformed or too deeply nested manifest or receipt
+     (an integer of more than 4300 digits too), a path with a NUL byte, missing or unrecorded
+     overlay file, overlay file changed without `record`, no vLLM or no directory at
+     --site-packages, a --python that cannot run, a --receipt inside vllm/ or naming a file that
+     is not a receipt; rebase: an --out whose base/ours/theirs/merged a rebase did not write
   3  upstream drift: the installed (or pinned) vLLM is not the one the overlay was made for,
      or (revert) a file is neither upstream nor the overlay's; nothing was changed
   4  cannot write: read-only target, a failed write, or the lock still busy after
-     --lock-timeout; every file was restored, unless the message says RESTORE FAILED: it then
-     names each file, where its original is kept, and the revert command that finishes it
+     --lock-timeout; or refused: something not our directory at DIR/.vllm_overlay_txn or
+     DIR/.vllm_overlay_originals (a FIFO, file, symlink, another user's directory), a symlink
+     on the way to a managed file, a journal or index this tool did not write or naming a
+     receipt the command does not; every file was restored, unless the message says RESTORE
+     FAILED: it then names each file, where its original is kept, and the revert command
+     that finishes it
   5  rebase: the merge left conflicts (the report shows both sides); nothing was recorded
   SIGINT/SIGTERM/SIGHUP during apply or revert: every file is restored, then the tool exits
   by that signal (128+N in a shell)
@@ -158,7 +168,8 @@ def parser() -> argparse.ArgumentParser:
     apply.add_argument("--receipt", help="default: SITE_PACKAGES/vllm_overlay_receipt.json")
     revert = commands.add_parser("revert", parents=[locked], help="put upstream vLLM back, all or nothing")
     revert.add_argument("--site-packages", required=True)
-    revert.add_argument("--receipt", help="default: where apply wrote it")
+    revert.add_argument("--receipt", help="default: SITE_PACKAGES/vllm_overlay_receipt.json (a receipt apply wrote "
+                                          "elsewhere is removed only when named here)")
     verify = commands.add_parser("verify", parents=[locked], help="re-hash and import-check an overlaid site-packages")
     verify.add_argument("--site-packages", help="default: the purelib of --python")
     verify.add_argument("--python", default=sys.executable, help="interpreter to import with (default: this one)")
