@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsa_image import healthcheck, warmup
-from dsa_image.healthcheck import Endpoint
+from dsa_image.serve_command import VLLM_DEFAULT_PORT, Endpoint
 
 # The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,25 +45,25 @@ def test_serve_args_recognises_vllm_serve_only(cmdline, args):
 
 
 @pytest.mark.parametrize("args, endpoint", [
-    ([], Endpoint("http", "127.0.0.1", healthcheck.VLLM_DEFAULT_PORT)),
+    ([], Endpoint("http", "127.0.0.1", VLLM_DEFAULT_PORT)),
     (["m", "--port", "9000"], Endpoint("http", "127.0.0.1", 9000)),
     (["m", "--port=9000"], Endpoint("http", "127.0.0.1", 9000)),
     (["m", "--port", "8000", "--port", "9001"], Endpoint("http", "127.0.0.1", 9001)),
     (["m", "--host", "0.0.0.0", "--port", "9000"], Endpoint("http", "127.0.0.1", 9000)),
-    (["m", "--host=::"], Endpoint("http", "::1", healthcheck.VLLM_DEFAULT_PORT)),
-    (["m", "--host", "10.1.2.3"], Endpoint("http", "10.1.2.3", healthcheck.VLLM_DEFAULT_PORT)),
+    (["m", "--host=::"], Endpoint("http", "::1", VLLM_DEFAULT_PORT)),
+    (["m", "--host", "10.1.2.3"], Endpoint("http", "10.1.2.3", VLLM_DEFAULT_PORT)),
     (["m", "--ssl_certfile", "/c.pem", "--port", "443"], Endpoint("https", "127.0.0.1", 443)),
-    (["m", "--uds", "/tmp/v.sock", "--port", "9000"], Endpoint("http", "127.0.0.1", 9000, "/tmp/v.sock")),
+    (["m", "--uds", "/tmp/v.sock", "--port", "9000"], Endpoint(uds="/tmp/v.sock")),
     # a trailing --port without its value (vLLM refuses it): the default, not a crash
-    (["--served-model-name", "--port"], Endpoint("http", "127.0.0.1", healthcheck.VLLM_DEFAULT_PORT)),
+    (["--served-model-name", "--port"], Endpoint("http", "127.0.0.1", VLLM_DEFAULT_PORT)),
 ])
 def test_endpoint_follows_the_command_line(args, endpoint):
     assert healthcheck.endpoint_of(args) == endpoint
 
 
 def test_endpoint_urls():
-    assert Endpoint("http", "127.0.0.1", 9000).url == "http://127.0.0.1:9000/health"
-    assert Endpoint("http", "::1", 8000).url == "http://[::1]:8000/health"
+    assert Endpoint("http", "127.0.0.1", 9000).url("/health") == "http://127.0.0.1:9000/health"
+    assert Endpoint("http", "::1", 8000).url("/health") == "http://[::1]:8000/health"
 
 
 def _fake_proc(root: Path, processes: dict[int, list[str]], environ: dict[int, dict[str, str]] | None = None) -> Path:

@@ -348,7 +348,7 @@ def test_unsetting_a_setting_falls_back_to_the_target_default():
     ("colour=blue", sr.RecipeFileError, "unknown key 'colour'"),
     ("max_model_len", sr.RecipeFileError, "expected KEY=VALUE"),
     ("tensor_parallel_size=6", sr.LayoutError, "does not divide the 64 attention heads"),
-    ("gpu_memory_utilization=1.5", sr.RecipeFileError, "must be in (0, 1]"),
+    ("gpu_memory_utilization=1.5", sr.RecipeFileError, "must be above 0 and at most 1"),
     ("hardware.sm120=nope", sr.RecipeFileError, "unknown GPU 'nope'"),
 ])
 def test_bad_overrides(assignment, error, message):
@@ -468,7 +468,10 @@ def test_launch_mp_cluster_starts_workers_over_ssh_then_the_head(with_nvidia_smi
     code = sr.main([SPARK, "--set", "cluster_backend=mp", "--nodes", ",".join(SPARK8_HOSTS)], run=run)
     assert code == 0
     assert [c[:2] for c in run.calls[:7]] == [["ssh", h] for h in SPARK8_HOSTS[1:]]
-    assert "--node-rank 1" in run.calls[0][2] and run.calls[-1][:2] == ["docker", "run"]
+    assert "--node-rank 1" in run.calls[0][2] and run.calls[7][:2] == ["docker", "run"]
+    # the head's vllm ended: the workers it needs are stopped, the last started first
+    assert run.calls[8:] == [["ssh", h, f"docker stop dsa-{SPARK}-node{i}"] for i, h in reversed(
+        list(enumerate(SPARK8_HOSTS))[1:])]
 
 
 def test_launch_ray_cluster_is_refused_while_the_modes_are_missing(monkeypatch):

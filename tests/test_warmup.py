@@ -126,7 +126,7 @@ def test_settings_refuse_what_they_cannot_read_naming_the_variable_and_what_is_e
 def test_warm_sends_each_step_with_its_batch_in_flight_together():
     state = fakes.FakeOpenAI(ttft_s=0.5, max_model_len=8192)  # long enough for 32 clients to overlap
     with fakes.FakeServer(state) as server:
-        report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
+        report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
     assert list(report["steps"]) == [s.name for s in warmup.plan_steps(8192)]
     assert report["model"] == "glm-5" and report["max_model_len"] == 8192
     assert state.max_active == 32  # the c=32 batch reached the server at once
@@ -145,7 +145,7 @@ def test_warm_sends_the_api_key():
         get, post = handler.do_GET, handler.do_POST
         handler.do_GET = lambda self: seen.append((self.path, self.headers.get("Authorization"))) or get(self)
         handler.do_POST = lambda self: seen.append((self.path, self.headers.get("Authorization"))) or post(self)
-        warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}", "sekret"),
+        warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}", "sekret"),
                     warmup.Settings(prefill=(), concurrency=(1,)), lambda line: None)
     # /v1/models, /metrics (no spec-decode counters there: no second read), then decode-c1-sampled
     # and decode-c1
@@ -157,7 +157,7 @@ def test_warm_sends_the_api_key():
 def test_warm_fails_on_a_bad_answer(fault, message):
     with fakes.FakeServer(fakes.FakeOpenAI(faults={fault})) as server:
         with pytest.raises(warmup.WarmupError, match=message):
-            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
+            warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
 
 
 def test_a_busy_server_is_sent_the_request_again(monkeypatch):
@@ -168,7 +168,7 @@ def test_a_busy_server_is_sent_the_request_again(monkeypatch):
     state = fakes.FakeOpenAI(busy=5)
     lines = []
     with fakes.FakeServer(state) as server:
-        report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+        report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                              warmup.Settings(prefill=(), concurrency=(4,)), lines.append)
     assert state.refused == 5 and len(state.requests) == 1 + 4  # each request answered once in the end
     assert list(report["steps"]) == ["decode-c1-sampled", "decode-c4"]
@@ -179,7 +179,7 @@ def test_a_server_busy_until_the_budget_ends_fails_saying_so(monkeypatch):
     with fakes.FakeServer(fakes.FakeOpenAI(busy=10**6)) as server:
         with pytest.raises(warmup.WarmupError, match=r"decode-c1-sampled: HTTP 503 \(busy\) \d+ time\(s\) until out "
                                                      r"of time .*currently busy"):
-            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+            warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                         warmup.Settings(prefill=(), concurrency=(1,), timeout_s=0.5), lambda line: None)
 
 
@@ -187,7 +187,7 @@ def test_other_errors_are_not_sent_again():
     state = fakes.FakeOpenAI(faults={"http_500"})
     with fakes.FakeServer(state) as server:
         with pytest.raises(warmup.WarmupError, match="HTTP 500"):
-            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+            warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                         warmup.Settings(prefill=(), concurrency=(1,)), lambda line: None)
     assert len(state.requests) == 1
 
@@ -198,7 +198,7 @@ def test_the_report_says_what_the_mtp_draft_path_did(monkeypatch):
     monkeypatch.setattr(warmup, "SPEC_SETTLE_PAUSE_S", 0.01)
     state, lines = fakes.FakeOpenAI(spec=True), []
     with fakes.FakeServer(state) as server:
-        report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+        report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                              warmup.Settings(prefill=(2500,), concurrency=(2,)), lines.append)
     c = state.counters
     assert report["spec_decode"] == {"drafts": c["drafts"], "draft_tokens": c["draft_tokens"],
@@ -212,7 +212,7 @@ def test_no_drafts_on_an_mtp_server_is_a_warning_and_none_without_mtp(monkeypatc
     for spec, expected in (("idle", {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}), (False, None)):
         lines = []
         with fakes.FakeServer(fakes.FakeOpenAI(spec=spec)) as server:
-            report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+            report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                                  warmup.Settings(prefill=(), concurrency=(1,)), lines.append)
         assert report["spec_decode"] == expected
         assert any("WARNING" in line and "no drafts" in line for line in lines) == (spec == "idle")
@@ -240,13 +240,13 @@ def test_spec_counters_of_a_real_vllm_0_33_exposition():
 def test_warm_fails_when_out_of_time():
     with fakes.FakeServer(fakes.FakeOpenAI(ttft_s=0.3)) as server:
         with pytest.raises(warmup.WarmupError, match="out of time"):
-            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"), warmup.Settings(timeout_s=0.5),
+            warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), warmup.Settings(timeout_s=0.5),
                         lambda line: None)
 
 
 def test_wait_healthy_polls_until_200_and_gives_up_when_the_server_is_gone():
     with fakes.FakeServer(fakes.FakeOpenAI(unhealthy_polls=3)) as server:
-        endpoint = warmup.Endpoint(f"http://127.0.0.1:{server.port}")
+        endpoint = warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}")
         assert warmup.wait_healthy(endpoint, lambda: True, time.monotonic() + 10, poll_s=0.01)
         assert not warmup.wait_healthy(endpoint, lambda: False, time.monotonic() + 10)
 
