@@ -83,8 +83,9 @@ WARMUP_ENV = {
     "DSA_IMAGE_WARMUP_PREFILL": f"the prefill lengths sent (default {','.join(map(str, warmup.DEFAULT_PREFILL))})",
     "DSA_IMAGE_WARMUP_CONCURRENCY": "the decode batch sizes sent (default "
                                     f"{','.join(map(str, warmup.DEFAULT_CONCURRENCY))}; each passes every smaller size)",
-    "DSA_IMAGE_WARMUP_TIMEOUT_S": "seconds the warm-up may take (default 1800); past them, or on a wrong "
-                                  "answer, the container stays unhealthy and its log says why",
+    "DSA_IMAGE_WARMUP_TIMEOUT_S": "seconds the whole warm-up may take, every request in it (default "
+                                  f"{warmup.DEFAULT_TIMEOUT_S:.0f}, at most {warmup.MAX_TIMEOUT_S:.0f}); past "
+                                  "them, or on a wrong answer, the container stays unhealthy and its log says why",
 }
 
 
@@ -409,11 +410,12 @@ def usage(environ: dict[str, str]) -> str:
         lines += textwrap.wrap(mode.summary, width=92, initial_indent=" " * 6, subsequent_indent=" " * 6)
     lines += ["",
               "A first argument that names no mode goes to serve: `docker run IMAGE zai-org/GLM-5 -tp 4`",
-              "is `serve zai-org/GLM-5 -tp 4`. vLLM's own flags: docker run --gpus all IMAGE serve --help",
+              "is `serve zai-org/GLM-5 -tp 4` (a word close to a mode's name, with no / and no such path, is",
+              "refused as a mistyped mode). vLLM's own flags: docker run --gpus all IMAGE serve --help",
               "(or --help=all, --help=<group>), passed through unchanged; vLLM needs a GPU even for its",
               f"help, so without one read {_vllm_serve_docs(environ)}",
               "",
-              "serve adds each of these unless ARGS give the flag:"]
+              "serve adds each of these unless ARGS, or the --config file they name, set the flag:"]
     lines += _defaults_text(environ)
     lines += ["", "environment:"]
     lines += [f"  {name:<24} {what}" for name, what in IMAGE_ENV.items()]
@@ -431,7 +433,7 @@ def usage(environ: dict[str, str]) -> str:
               "exit codes (the entrypoint's; once vllm serve or the overlay tool runs, theirs):",
               f"  {OK}  ok",
               f"  {IMAGE_PROBLEM}  the image is broken: environment, recipe or receipt",
-              f"  {USAGE}  usage: arguments a mode does not take",
+              f"  {USAGE}  usage: arguments a mode does not take, a mistyped mode, a --config file it cannot read",
               f"  {NO_GPU}  no usable NVIDIA GPU visible to serve (also to vLLM's serve --help)",
               "  4  recipe: layout refused (memory, TP/PP, cluster-only)",
               "  5  recipe: needs another image target"]

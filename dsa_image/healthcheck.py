@@ -127,6 +127,11 @@ def _pid1_cmdline(proc: Path) -> list[str]:
         return []
 
 
+def _say(line: str) -> None:
+    # A path from /proc may be any bytes (os.fsdecode keeps them as surrogates): shown escaped.
+    print(line.encode("utf-8", "backslashreplace").decode("utf-8"))
+
+
 def main(proc: Path = PROC) -> int:
     try:
         pid, args = find_server(proc)
@@ -135,15 +140,15 @@ def main(proc: Path = PROC) -> int:
         ray = ray_node_args(_pid1_cmdline(proc))
         if ray is not None:  # a Ray node of the cluster modes, serving nothing itself (yet)
             problem = ray_node_problem(ray)
-            print(f"unhealthy: {problem}" if problem else "healthy: Ray node (ray start) running")
+            _say(f"unhealthy: {problem}" if problem else "healthy: Ray node (ray start) running")
             return 1 if problem else 0
-        print(f"unhealthy: {exc}")
+        _say(f"unhealthy: {exc}")
         return 1
     problem = probe(endpoint)
     if problem is None:
         warm = warm_problem(pid, proc)
         problem = f"{endpoint.url('/health')} answers, but {warm}" if warm else None
-    print(f"unhealthy: {problem}" if problem else f"healthy: {endpoint.url('/health')}")
+    _say(f"unhealthy: {problem}" if problem else f"healthy: {endpoint.url('/health')}")
     return 1 if problem else 0
 
 

@@ -99,6 +99,10 @@ class WarmupError(Exception):
     """The server did not answer a warm-up request as it should."""
 
 
+class OutOfTime(WarmupError):
+    """The warm-up's budget ran out (warm() says so once, naming where it was)."""
+
+
 # -- where the server listens -------------------------------------------------------------------
 
 
@@ -130,7 +134,7 @@ def _timeout(deadline: float, cap: float, what: str) -> float:
     """A request's socket timeout: what is left of the warm-up's budget, at most `cap`."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise WarmupError(f"out of time before {what}")
+        raise OutOfTime(f"out of time before {what}")
     return min(left, cap)
 
 
@@ -154,6 +158,8 @@ def served_model(endpoint: Endpoint, deadline: float) -> tuple[str, int | None]:
     """The first served model's name and max_model_len (vLLM's /v1/models carries both)."""
     try:
         status, body = _request(endpoint, "/v1/models", timeout=_timeout(deadline, 30, "GET /v1/models"))
+    except TimeoutError:
+        raise (OutOfTime if time.monotonic() >= deadline else WarmupError)("GET /v1/models: no answer") from None
     except (OSError, http.client.HTTPException) as exc:
         raise WarmupError(f"GET /v1/models: {exc}") from None
     if status != 200:
@@ -248,7 +254,7 @@ def send(endpoint: Endpoint, model: str, request: Request, key: str, deadline: f
         try:
             status, body = _request(endpoint, "/v1/completions", payload, timeout)
         except TimeoutError:
-            raise WarmupError(f"out of time (no answer in the {timeout:.1f} s left)") from None
+            raise OutOfTime(f"out of time (no answer in the {timeout:.1f} s left)") from None
         except (OSError, http.client.HTTPException) as exc:
             raise WarmupError(f"no answer: {exc}") from None
         if status != RETRY_STATUS:
@@ -294,7 +300,7 @@ def run_step(endpoint: Endpoint, model: str, step: Step, deadline: float) -> flo
     for thread in threads:
         thread.join(max(deadline - time.monotonic(), 0))
     if any(t.is_alive() for t in threads):
-        raise WarmupError("out of time (requests still unanswered)")
+        raise OutOfTime("out of time (requests still unanswered)")
     failed = next((e for e in errors if e is not None), None)
     if failed is not None:
         raise failed if isinstance(failed, WarmupError) else WarmupError(f"{type(failed).__name__}: {failed}")
@@ -416,7 +422,7 @@ def warm(endpoint: Endpoint, settings: Settings = Settings(), log: Callable[[str
     worker = threading.Thread(target=work, daemon=True, name="dsa-image-warmup")
     worker.start()
     worker.join(max(deadline - time.monotonic(), 0))
-    if worker.is_alive():
+    if worker.is_alive() or isinstance(done.get("error"), OutOfTime):
         cancelled.set()  # its later lines would only confuse the log
         raise WarmupError(f"out of time ({settings.timeout_s:g} s, DSA_IMAGE_WARMUP_TIMEOUT_S) during {at[0]}")
     if "error" in done:
@@ -435,11 +441,11 @@ def _warm_steps(endpoint: Endpoint, settings: Settings, log: Callable[[str], Non
     for step in steps:
         at[0] = f"step {step.name}"
         if deadline - time.monotonic() <= 0:
-            raise WarmupError(f"out of time ({settings.timeout_s:g} s) before step {step.name}")
+            raise OutOfTime(f"out of time before step {step.name}")
         try:
             seconds = run_step(endpoint, model, step, deadline)
         except WarmupError as exc:
-            raise WarmupError(f"step {step.name}: {exc}") from None
+            raise type(exc)(f"step {step.name}: {exc}") from None
         report["steps"][step.name] = round(seconds, 3)
         if not cancelled.is_set():
             log(f"dsa-image warmup: {step.name}: {len(step.requests)} request(s) in {seconds:.2f} s")
