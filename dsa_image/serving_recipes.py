@@ -5,8 +5,9 @@
     recipes/models/<model>.toml  model facts (transformers' GlmMoeDsaConfig defaults + published values)
 
 The runner (`python3 scripts/serve.py`, and `docker run IMAGE recipe ...` inside the image) lists
-recipes, prints a dry run (per node: the exact `docker run` and `vllm serve` commands) and
-launches solo or across nodes. Every recipe is checked when loaded; a layout that cannot work
+recipes, prints a dry run (per node: the exact `docker run` and `vllm serve` commands, every
+word shell-quoted) and launches solo or across nodes, all or nothing (execute). Every recipe is
+checked when loaded, its values by their schema entries (Setting); a layout that cannot work
 is refused with the reason and, for memory, the numbers.
 
 Exit codes: 0 ok; 2 usage or a bad recipe / override; 4 layout refused (does not fit, TP does
@@ -592,14 +593,14 @@ class HomePath(str):
     """A word naming a path under the home directory of whichever host runs the command. As a
     str it is this host's path: what `docker run` gets here, run without a shell. In a shell
     command (shell_join: the printed commands, and the one ssh hands a worker's shell) it is
-    "$HOME"/'REST', so each node's shell puts in its own home and the rest stays quoted."""
+    "$HOME"'/REST', so each node's shell puts in its own home and the rest stays quoted.
+    `tail`: what follows the home directory (`/.cache/huggingface:/home/vllm/...`)."""
 
     shell: str
 
-    def __new__(cls, rest: str, suffix: str = "") -> "HomePath":
-        word = super().__new__(cls, os.path.join(os.path.expanduser("~"), rest) + suffix if rest else
-                               os.path.expanduser("~") + suffix)
-        word.shell = '"$HOME"' + (f"/{shlex.quote(rest + suffix)}" if rest else shlex.quote(suffix) if suffix else "")
+    def __new__(cls, tail: str) -> "HomePath":
+        word = super().__new__(cls, os.path.expanduser("~") + tail)
+        word.shell = '"$HOME"' + (shlex.quote(tail) if tail else "")
         return word
 
 
@@ -632,7 +633,7 @@ def hf_volume(hf_cache: str) -> str:
     home = hf_cache == "~" or hf_cache.startswith("~/")
     if ":" not in hf_cache and (home or os.path.isabs(hf_cache) or VOLUME_NAME.fullmatch(hf_cache)):
         suffix = f":{CONTAINER_HF_CACHE}"
-        return HomePath(hf_cache[2:], suffix) if home else f"{hf_cache}{suffix}"
+        return HomePath(hf_cache[1:] + suffix) if home else f"{hf_cache}{suffix}"
     raise RecipeFileError(f"--hf-cache {hf_cache!r}: expected ~/PATH, an absolute path or a Docker volume name, "
                           "without ':'")
 
@@ -646,6 +647,11 @@ def check_hosts(hosts: list[str]) -> None:
 def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[str] | None, solo: bool,
                 extra: list[str] = (), repository: str = IMAGE_REPOSITORY, hf_cache: str = DEFAULT_HF_CACHE,
                 ifname: str | None = None) -> Launch:
+    if not REPOSITORY.fullmatch(repository):
+        raise RecipeFileError(f"--image {repository!r}: not an image repository (lower case, e.g. dsa-image or "
+                              "registry.example:5000/dsa-image)")
+    check_hosts(hosts or [])
+    volume = hf_volume(hf_cache)
     if target not in recipe.hardware:
         raise TargetError(f"recipe {recipe.name} runs on the {', '.join(recipe.targets)} image(s), not {target} "
                           f"(its GPUs: {', '.join(GPUS[g].name for g in recipe.hardware.values())})")
@@ -663,16 +669,12 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
     problem = plan.problem()
     if problem:
         raise LayoutError(f"recipe {recipe.name}: {problem}\n  " + "\n  ".join(plan.lines()))
-    if not REPOSITORY.fullmatch(repository):
-        raise RecipeFileError(f"--image {repository!r}: not an image repository (lower case, e.g. dsa-image or "
-                              "registry.example:5000/dsa-image)")
-    check_hosts(hosts or [])
     image = image_ref(build, target, repository)
     env = environment(recipe, target, build)
     args = vllm_args(recipe, target, build, list(extra))
     notes = []
     port = str(recipe.vllm["port"])
-    common = ["--gpus", "all", "--ipc=host", "-v", hf_volume(hf_cache), "-e", "HF_TOKEN"]
+    common = ["--gpus", "all", "--ipc=host", "-v", volume, "-e", "HF_TOKEN"]
     if ifname:
         env = {**env, "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
 
@@ -937,18 +939,19 @@ def execute(launch: Launch, request: Request, run: Callable = subprocess.run) ->
                           "yet; use --set cluster_backend=mp")
     ssh = shlex.split(request.args.ssh)
     head, workers = launch.nodes[0], launch.nodes[1:]
+    # (node, command, whether it starts a detached container)
     if head.then:  # Ray: the head's Ray first, then the workers join, then vllm serve on the head
-        order = [(head, head.docker), *((w, w.docker) for w in workers), (head, head.then)]
+        order = [(head, head.docker, True), *((w, w.docker, True) for w in workers), (head, head.then, False)]
     else:
-        order = [*((w, w.docker) for w in workers), (head, head.docker)]
+        order = [*((w, w.docker, True) for w in workers), (head, head.docker, False)]
     started: list[Node] = []
     try:
-        for node, command in order:
+        for node, command, detached in order:
             done = run(_on_node(node, command, ssh), check=False)
             if done.returncode != 0:
                 print(f"serve: node {node.rank} ({node.address}) failed, exit {done.returncode}", file=sys.stderr)
                 return done.returncode
-            if command is node.docker and node.detached:
+            if detached:
                 started.append(node)
         return OK
     finally:

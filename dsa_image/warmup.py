@@ -25,8 +25,9 @@ its path in DSA_IMAGE_WARM_MARKER; a health check finds it there, in /proc/PID/e
 server started without the supervisor is judged by /health alone.
 
 A warm-up that fails (a wrong or malformed answer, out of time, /health never answering, a
-command line whose port it cannot read, or a fault of its own) leaves a marker saying so: the health check then reports that reason, and the server keeps running, unhealthy,
-for its log and a look inside (docker logs shows the step that failed).
+command line whose port it cannot read, or a fault of its own) leaves a marker saying so: the
+health check then reports that reason, and the server keeps running, unhealthy, for its log and
+a look inside (docker logs shows the step that failed).
 
 Environment: DSA_IMAGE_WARMUP=0 skips the requests (the marker follows /health; the image's
 entrypoint then runs vLLM without the supervisor); DSA_IMAGE_WARMUP_PREFILL (default
@@ -373,7 +374,7 @@ def spec_counters(endpoint: Endpoint, deadline: float = math.inf) -> dict | None
     try:  # a record only: nothing here may fail the warm-up
         status, body = _request(endpoint, "/metrics", timeout=_timeout(deadline, 30, "GET /metrics"))
         return parse_spec_counters(body.decode(errors="replace")) if status == 200 else None
-    except (OSError, http.client.HTTPException, ValueError):  # WarmupError: out of time, no record
+    except (OSError, http.client.HTTPException, ValueError, WarmupError):  # WarmupError: no time left for it
         return None
 
 

@@ -672,11 +672,12 @@ def test_user_values_reach_docker_verbatim_through_every_shell_and_run_nothing(h
     hf, ifname, env, name, extra = (v.format(pwned=pwned) for v in INJECTED)
     argv = [*MP_CLUSTER, "--hf-cache", hf, "--ifname", ifname, "--set", f"env.NCCL_DEBUG={env}",
             "--set", f"served_model_name={name}", "--", "--extra", extra]
-    assert sr.main(argv) == 0
+    code = sr.main(argv)
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("docker ")]
-    for line in printed:  # what a user pastes into a shell on each node
-        subprocess.run(["/bin/sh", "-c", line], check=True, env={**os.environ, "FAKE_NODE": "pasted"})
-    assert list(pwned.iterdir()) == []
+    pasted = [subprocess.run(["/bin/sh", "-c", line], env={**os.environ, "FAKE_NODE": "pasted"}).returncode
+              for line in printed]  # what a user pastes into a shell on each node
+    assert sorted(p.name for p in pwned.iterdir()) == []
+    assert (code, pasted) == (0, [0] * 8)
     calls = [c for c in host_tools.calls() if c["argv"][0] == "run"]
     assert len(calls) == 2 * 8  # the launch's eight containers and the eight printed commands
     rest = hf[2:] + ":/home/vllm/.cache/huggingface"
