@@ -10,8 +10,11 @@
     docker run IMAGE --help              modes, the defaults serve adds, the environment
 
 A first argument that is not a mode (a model id, a path, a flag other than -h/--help) is
-`serve`'s. Every serve gets the recipe's serving defaults (served model name, max model len,
-port, the target's KV-cache dtype) unless ARGS give that flag, and the target's environment
+`serve`'s; a word close to a mode's name that is no model (no `/` in it, no such path) is a
+mistyped mode, refused naming the mode meant. Every serve gets the recipe's serving defaults
+(served model name, max model len, port, the target's KV-cache dtype) unless ARGS or the
+`--config FILE` they name set that flag (vLLM ranks flags over the file, so a default given as a
+flag would override the user's file), inserted before a bare `--`, and the target's environment
 (e.g. VLLM_USE_B12X_SPARSE_INDEXER=1 on sm120) unless the container sets it. Before serving,
 the entrypoint checks that an NVIDIA GPU is visible (libcuda.so.1 loads, cuInit succeeds, at
 least one device): without one vLLM only fails later with a long traceback.
@@ -24,7 +27,7 @@ DSA_IMAGE_WARMUP=0 execs vLLM directly (healthy on /health alone, as stock vLLM)
 Exit codes (of the entrypoint itself; once `vllm serve` or the overlay tool runs, theirs):
   0  ok (--help)
   1  the image is broken: an environment variable, the recipe or the receipt is missing or wrong
-  2  usage: arguments a mode does not take
+  2  usage: arguments a mode does not take, a mistyped mode, a --config file it cannot read
   3  no usable NVIDIA GPU visible to `serve` (DSA_IMAGE_SKIP_GPU_CHECK=1 skips the check)
   4  recipe: the layout is refused (does not fit in memory, TP/PP do not divide, cluster-only)
   5  recipe: it needs another image target than this image's
@@ -36,6 +39,7 @@ and returning a Plan, a synopsis and a one-line summary for --help. Stdlib only.
 from __future__ import annotations
 
 import ctypes
+import difflib
 import hashlib
 import os
 import sys
@@ -44,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from . import warmup
+from . import serve_command, warmup
 from .recipe import Recipe, RecipeError, Target, load_recipe
 
 RECEIPT = Path("/opt/dsa-image/receipt.json")
@@ -79,8 +83,9 @@ WARMUP_ENV = {
     "DSA_IMAGE_WARMUP_PREFILL": f"the prefill lengths sent (default {','.join(map(str, warmup.DEFAULT_PREFILL))})",
     "DSA_IMAGE_WARMUP_CONCURRENCY": "the decode batch sizes sent (default "
                                     f"{','.join(map(str, warmup.DEFAULT_CONCURRENCY))}; each passes every smaller size)",
-    "DSA_IMAGE_WARMUP_TIMEOUT_S": "seconds the warm-up may take (default 1800); past them, or on a wrong "
-                                  "answer, the container stays unhealthy and its log says why",
+    "DSA_IMAGE_WARMUP_TIMEOUT_S": "seconds the whole warm-up may take, every request in it (default "
+                                  f"{warmup.DEFAULT_TIMEOUT_S:.0f}, at most {warmup.MAX_TIMEOUT_S:.0f}); past "
+                                  "them, or on a wrong answer, the container stays unhealthy and its log says why",
 }
 
 
@@ -117,11 +122,6 @@ class Mode:
     summary: str  # one line, for --help
 
 
-def _flag_name(arg: str) -> str:
-    # vLLM accepts --max_model_len and --max-model-len, with "=value" or a separate value.
-    return arg.split("=", 1)[0].replace("_", "-")
-
-
 def serving_defaults(recipe: Recipe, target: Target) -> list[tuple[str, str]]:
     serving = recipe.serving
     return [
@@ -133,10 +133,17 @@ def serving_defaults(recipe: Recipe, target: Target) -> list[tuple[str, str]]:
 
 
 def with_defaults(args: list[str], defaults: list[tuple[str, str]]) -> list[str]:
-    """`args` plus each default flag the arguments do not already give."""
-    given = {_flag_name(a) for a in args if a.startswith("--")}
-    added = [part for flag, value in defaults if flag not in given for part in (flag, value)]
-    return [*args, *added]
+    """`args` plus each default flag neither they nor their --config file set (vLLM ranks the
+    command line over the file: our default there would override the user's file), before a
+    bare `--` (after it vLLM takes every word as positional)."""
+    try:
+        given = serve_command.parse(args)
+    except serve_command.ConfigError as exc:
+        raise UsageError(f"{exc}; the entrypoint reads the file to leave the flags it sets to it (the file must be "
+                         "inside the container: docker run -v HOST_DIR:/config ... --config /config/FILE)") from None
+    added = [part for flag, value in defaults if not given.sets(flag) for part in (flag, value)]
+    end = args.index("--") if "--" in args else len(args)
+    return [*args[:end], *added, *args[end:]]
 
 
 def target_env(target: Target, environ: dict[str, str]) -> dict[str, str]:
@@ -346,14 +353,29 @@ MODES: dict[str, Mode] = {
 
 
 def split_mode(args: list[str]) -> tuple[str, list[str]]:
-    """(mode, its arguments): a first argument that names no mode belongs to serve."""
+    """(mode, its arguments): a first argument that names no mode belongs to serve, unless it
+    is a mistyped mode (UsageError)."""
     if not args:
         return DEFAULT_MODE, []
     if args[0] in HELP_FLAGS:
         return "help", args[1:]
     if args[0] in MODES:
         return args[0], args[1:]
+    meant = mistyped_mode(args[0])
+    if meant:
+        raise UsageError(f"unknown mode {args[0]!r}, did you mean {meant}? (a model of that name is served with: "
+                         f"docker run IMAGE serve {args[0]} ...)")
     return DEFAULT_MODE, args
+
+
+def mistyped_mode(word: str) -> str | None:
+    """The mode `word` is a typo of, or None. A word with a `/` (a Hugging Face repository id, a
+    path) or naming an existing path is a model, whatever it looks like; so is one close to no
+    mode (`gpt2`: a repository id without an owner)."""
+    if word.startswith("-") or "/" in word or Path(word).exists():
+        return None
+    close = difflib.get_close_matches(word, list(MODES), n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _defaults_text(environ: dict[str, str]) -> list[str]:
@@ -388,11 +410,12 @@ def usage(environ: dict[str, str]) -> str:
         lines += textwrap.wrap(mode.summary, width=92, initial_indent=" " * 6, subsequent_indent=" " * 6)
     lines += ["",
               "A first argument that names no mode goes to serve: `docker run IMAGE zai-org/GLM-5 -tp 4`",
-              "is `serve zai-org/GLM-5 -tp 4`. vLLM's own flags: docker run --gpus all IMAGE serve --help",
+              "is `serve zai-org/GLM-5 -tp 4` (a word close to a mode's name, with no / and no such path, is",
+              "refused as a mistyped mode). vLLM's own flags: docker run --gpus all IMAGE serve --help",
               "(or --help=all, --help=<group>), passed through unchanged; vLLM needs a GPU even for its",
               f"help, so without one read {_vllm_serve_docs(environ)}",
               "",
-              "serve adds each of these unless ARGS give the flag:"]
+              "serve adds each of these unless ARGS, or the --config file they name, set the flag:"]
     lines += _defaults_text(environ)
     lines += ["", "environment:"]
     lines += [f"  {name:<24} {what}" for name, what in IMAGE_ENV.items()]
@@ -410,7 +433,7 @@ def usage(environ: dict[str, str]) -> str:
               "exit codes (the entrypoint's; once vllm serve or the overlay tool runs, theirs):",
               f"  {OK}  ok",
               f"  {IMAGE_PROBLEM}  the image is broken: environment, recipe or receipt",
-              f"  {USAGE}  usage: arguments a mode does not take",
+              f"  {USAGE}  usage: arguments a mode does not take, a mistyped mode, a --config file it cannot read",
               f"  {NO_GPU}  no usable NVIDIA GPU visible to serve (also to vLLM's serve --help)",
               "  4  recipe: layout refused (memory, TP/PP, cluster-only)",
               "  5  recipe: needs another image target"]

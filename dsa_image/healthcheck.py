@@ -6,26 +6,26 @@ and, when the server runs under the warm-up supervisor, its readiness marker.
 The port and host come from the command line of the `vllm serve` process (the supervisor's
 child, PID 1 when the entrypoint exec'd vLLM itself, another PID under `docker run --init`),
 read from /proc: `--port 9000`, `--port=9000`, `--host`, https when `--ssl-certfile` is given,
-the socket of `--uds PATH`. A server the supervisor started (DSA_IMAGE_WARM_MARKER in its
-environment) is healthy only once its marker says it is warm (dsa_image.warmup.warm_problem):
-vLLM's /health answers before the first requests' kernels are compiled. Nothing is written
-here (a read-only root filesystem works). A port set only in a `--config` file is not seen:
-pass --port on the command line. Stdlib only.
+the socket of `--uds PATH`, and the same keys of a `--config` file (read from the server's
+working directory; dsa_image.serve_command, the reader the warm-up and the entrypoint use too).
+A server the supervisor started (DSA_IMAGE_WARM_MARKER in its environment) is healthy only once
+its marker says it is warm (dsa_image.warmup.warm_problem): vLLM's /health answers before the
+first requests' kernels are compiled. Whatever it cannot read (a port that is no number, a host
+with a space, a config file it cannot parse, a marker that is no JSON object) is an unhealthy
+answer saying so, exit 1. Nothing is written here (a read-only root filesystem works). Stdlib only.
 """
 
 from __future__ import annotations
 
 import http.client
 import socket
-import ssl
 import sys
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-# vLLM's own default when no --port is given (the entrypoint always passes one).
-VLLM_DEFAULT_PORT = 8000
+from . import serve_command
+from .serve_command import Endpoint
+from .warmup import warm_problem
+
 PROC = Path("/proc")
 TIMEOUT_S = 8  # under the Dockerfile's HEALTHCHECK --timeout
 
@@ -39,34 +39,6 @@ _SUPERVISOR_MODULE = "dsa_image.warmup"
 
 class NoServer(Exception):
     """No `vllm serve` process in this container."""
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    scheme: str
-    host: str
-    port: int
-    uds: str | None = None  # vLLM's --uds: a Unix socket instead of host and port
-
-    @property
-    def url(self) -> str:
-        if self.uds:
-            return f"http+unix://{self.uds}:/health"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{host}:{self.port}/health"
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    """HTTP over vLLM's --uds socket (also used by dsa_image.warmup)."""
-
-    def __init__(self, path: str, timeout: float):
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self._path)
 
 
 def serve_args(cmdline: list[str]) -> list[str] | None:
@@ -85,30 +57,10 @@ def _supervisor(before_server: list[str]) -> bool:
     return any(_SUPERVISOR_MODULE in part for part in before_server)
 
 
-def _flag(args: list[str], name: str) -> str | None:
-    """The value of --name, the last one given wins (as argparse does); vLLM takes _ for -."""
-    value = None
-    for i, arg in enumerate(args):
-        flag, eq, inline = arg.partition("=")
-        if not flag.startswith("--") or flag.replace("_", "-") != name:
-            continue
-        if eq:
-            value = inline
-        elif i + 1 < len(args):
-            value = args[i + 1]
-    return value
-
-
-def endpoint_of(args: list[str]) -> Endpoint:
-    port = _flag(args, "--port")
-    host = _flag(args, "--host") or ""
-    # A wildcard address listens on loopback too; a specific one only there.
-    if host in ("", "0.0.0.0"):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
-    scheme = "https" if _flag(args, "--ssl-certfile") else "http"
-    return Endpoint(scheme, host, int(port) if port else VLLM_DEFAULT_PORT, _flag(args, "--uds"))
+def endpoint_of(args: list[str], cwd: Path | None = None) -> Endpoint:
+    """Where the server with these arguments listens (its --config file read from `cwd`, the
+    server's working directory). Raises ValueError (a ConfigError for the file)."""
+    return serve_command.endpoint_of(serve_command.parse(args, cwd))
 
 
 def read_cmdline(pid_dir: Path) -> list[str]:
@@ -127,39 +79,21 @@ def find_server(proc: Path = PROC) -> tuple[int, list[str]]:
             continue
         if args is not None:
             return pid, args
-    try:
-        first = " ".join(read_cmdline(proc / "1")) or "(empty)"
-    except OSError as exc:
-        first = f"(unreadable: {exc})"
+    first = " ".join(_pid1_cmdline(proc)) or "(empty or unreadable)"
     raise NoServer(f"no `vllm serve` process in this container (PID 1: {first})")
 
 
 def probe(endpoint: Endpoint, timeout: float = TIMEOUT_S) -> str | None:
     """None when GET /health answers 200, else why not."""
-    if endpoint.uds:
-        connection = UnixHTTPConnection(endpoint.uds, timeout)
-        try:
-            connection.request("GET", "/health")
-            status = connection.getresponse().status
-        except OSError as exc:
-            return f"GET {endpoint.url}: {exc}"
-        finally:
-            connection.close()
-        return None if status == 200 else f"GET {endpoint.url}: HTTP {status}"
-    context = None
-    if endpoint.scheme == "https":
-        # Liveness of our own server: its certificate may name a public host, not 127.0.0.1.
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
+    connection = endpoint.connection(timeout)
     try:
-        with urllib.request.urlopen(endpoint.url, timeout=timeout, context=context) as response:
-            status = response.status
-    except urllib.error.HTTPError as exc:
-        status = exc.code
-    except (OSError, ValueError) as exc:
-        return f"GET {endpoint.url}: {getattr(exc, 'reason', exc)}"
-    return None if status == 200 else f"GET {endpoint.url}: HTTP {status}"
+        connection.request("GET", "/health")
+        status = connection.getresponse().status
+    except (OSError, http.client.HTTPException) as exc:
+        return f"GET {endpoint.url('/health')}: {exc}"
+    finally:
+        connection.close()
+    return None if status == 200 else f"GET {endpoint.url('/health')}: HTTP {status}"
 
 
 def ray_node_args(cmdline: list[str]) -> list[str] | None:
@@ -175,8 +109,10 @@ def ray_node_problem(args: list[str], timeout: float = TIMEOUT_S) -> str | None:
     it); the head, also when its GCS port takes connections."""
     if "--head" not in args:
         return None
-    port = int(_flag(args, "--port") or 6379)
-    host = _flag(args, "--node-ip-address") or "127.0.0.1"
+    port_text = serve_command.cli_value(args, "--port") or "6379"
+    if not port_text.isdigit():
+        return f"the Ray head's --port {port_text!r} is no port number"
+    port, host = int(port_text), serve_command.cli_value(args, "--node-ip-address") or "127.0.0.1"
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as exc:
@@ -184,25 +120,35 @@ def ray_node_problem(args: list[str], timeout: float = TIMEOUT_S) -> str | None:
     return None
 
 
+def _pid1_cmdline(proc: Path) -> list[str]:
+    try:
+        return read_cmdline(proc / "1")
+    except OSError:
+        return []
+
+
+def _say(line: str) -> None:
+    # A path from /proc may be any bytes (os.fsdecode keeps them as surrogates): shown escaped.
+    print(line.encode("utf-8", "backslashreplace").decode("utf-8"))
+
+
 def main(proc: Path = PROC) -> int:
     try:
         pid, args = find_server(proc)
-        endpoint = endpoint_of(args)
+        endpoint = endpoint_of(args, proc / str(pid) / "cwd")
     except (NoServer, ValueError) as exc:
-        ray = ray_node_args(read_cmdline(proc / "1")) if (proc / "1").is_dir() else None
+        ray = ray_node_args(_pid1_cmdline(proc))
         if ray is not None:  # a Ray node of the cluster modes, serving nothing itself (yet)
             problem = ray_node_problem(ray)
-            print(f"unhealthy: {problem}" if problem else "healthy: Ray node (ray start) running")
+            _say(f"unhealthy: {problem}" if problem else "healthy: Ray node (ray start) running")
             return 1 if problem else 0
-        print(f"unhealthy: {exc}")
+        _say(f"unhealthy: {exc}")
         return 1
     problem = probe(endpoint)
     if problem is None:
-        from .warmup import warm_problem  # imported here: dsa_image.warmup imports this module
-
         warm = warm_problem(pid, proc)
-        problem = f"{endpoint.url} answers, but {warm}" if warm else None
-    print(f"unhealthy: {problem}" if problem else f"healthy: {endpoint.url}")
+        problem = f"{endpoint.url('/health')} answers, but {warm}" if warm else None
+    _say(f"unhealthy: {problem}" if problem else f"healthy: {endpoint.url('/health')}")
     return 1 if problem else 0
 
 

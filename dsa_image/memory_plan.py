@@ -146,6 +146,8 @@ REQUIRED_CONFIG = (
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     "index_head_dim", "index_n_heads", "max_position_embeddings", "num_nextn_predict_layers",
 )
+# Of those, the counts a model may have none of (the rest are sizes, at least 1).
+CONFIG_MAY_BE_ZERO = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
 
 
 def layer_parts(cfg: Mapping[str, Any], moe: bool) -> dict[str, int]:

@@ -5,8 +5,9 @@
     recipes/models/<model>.toml  model facts (transformers' GlmMoeDsaConfig defaults + published values)
 
 The runner (`python3 scripts/serve.py`, and `docker run IMAGE recipe ...` inside the image) lists
-recipes, prints a dry run (per node: the exact `docker run` and `vllm serve` commands) and
-launches solo or across nodes. Every recipe is checked when loaded; a layout that cannot work
+recipes, prints a dry run (per node: the exact `docker run` and `vllm serve` commands, every
+word shell-quoted) and launches solo or across nodes, all or nothing (execute). Every recipe is
+checked when loaded, its values by their schema entries (Setting); a layout that cannot work
 is refused with the reason and, for memory, the numbers.
 
 Exit codes: 0 ok; 2 usage or a bad recipe / override; 4 layout refused (does not fit, TP does
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -72,36 +75,55 @@ class TargetError(ServeError):
 @dataclass(frozen=True)
 class Setting:
     kind: type
-    flag: str | None  # None: rendered specially (speculative config, hf overrides)
+    flag: str | None  # None: rendered specially (speculative config, hf overrides, the layout)
     help: str
+    low: float | None = None  # the least value (excluded when low_open)
+    high: float | None = None  # the greatest
+    low_open: bool = False
+
+    def range_problem(self, value: Any) -> str | None:
+        """Why a value of the right kind is out of range, or None."""
+        # Written as "not within" so that a NaN (float("nan") from --set) is out of range too.
+        within_low = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        if within_low and (self.high is None or value <= self.high):
+            return None
+        low = f"{'above' if self.low_open else 'at least'} {self.low:g}" if self.low is not None else ""
+        high = f"at most {self.high:g}" if self.high is not None else ""
+        return "must be " + " and ".join(part for part in (low, high) if part)
 
 
 # [vllm] settings; each becomes a `vllm serve` flag.
 VLLM_SETTINGS: dict[str, Setting] = {
     "served_model_name": Setting(str, "--served-model-name", "name the API serves the model under"),
-    "max_model_len": Setting(int, "--max-model-len", "longest request (prompt + output), tokens"),
+    "max_model_len": Setting(int, "--max-model-len", "longest request (prompt + output), tokens", low=1),
     "kv_cache_dtype": Setting(str, "--kv-cache-dtype", "KV cache dtype (absent: the image target's)"),
     "attention_backend": Setting(str, "--attention-backend", "sparse-MLA backend (absent: the target's)"),
-    "block_size": Setting(int, "--block-size", "KV cache block size, tokens"),
-    "gpu_memory_utilization": Setting(float, "--gpu-memory-utilization", "fraction of GPU memory vLLM may use"),
-    "max_num_batched_tokens": Setting(int, "--max-num-batched-tokens", "tokens per scheduler step"),
-    "max_num_seqs": Setting(int, "--max-num-seqs", "concurrent sequences"),
+    "block_size": Setting(int, "--block-size", "KV cache block size, tokens", low=1),
+    "gpu_memory_utilization": Setting(float, "--gpu-memory-utilization", "fraction of GPU memory vLLM may use",
+                                      low=0, high=1, low_open=True),
+    "max_num_batched_tokens": Setting(int, "--max-num-batched-tokens", "tokens per scheduler step", low=1),
+    "max_num_seqs": Setting(int, "--max-num-seqs", "concurrent sequences", low=1),
     "enable_prefix_caching": Setting(bool, "--enable-prefix-caching", "prefix caching"),
     "speculative_method": Setting(str, None, "speculative decoding method (mtp)"),
-    "num_speculative_tokens": Setting(int, None, "speculative tokens per step"),
+    "num_speculative_tokens": Setting(int, None, "speculative tokens per step", low=1),
     "tool_call_parser": Setting(str, "--tool-call-parser", "tool-call parser"),
     "reasoning_parser": Setting(str, "--reasoning-parser", "reasoning parser"),
     "enable_auto_tool_choice": Setting(bool, "--enable-auto-tool-choice", "let the model choose tools"),
     "chat_template_content_format": Setting(str, "--chat-template-content-format", "string or openai"),
     "load_format": Setting(str, "--load-format", "weights format (dummy: random weights)"),
     "enforce_eager": Setting(bool, "--enforce-eager", "no CUDA graphs"),
-    "port": Setting(int, "--port", "HTTP port"),
+    "port": Setting(int, "--port", "HTTP port", low=1, high=65535),
     "hf_overrides": Setting(dict, None, "config.json values to override (JSON)"),
 }
-LAYOUT_SETTINGS: dict[str, type] = {
-    "nodes": int, "gpus_per_node": int, "tensor_parallel_size": int, "pipeline_parallel_size": int,
-    "cluster_backend": str,
+LAYOUT_SETTINGS: dict[str, Setting] = {
+    "nodes": Setting(int, None, "nodes", low=1),
+    "gpus_per_node": Setting(int, None, "GPUs per node", low=1),
+    "tensor_parallel_size": Setting(int, None, "tensor-parallel ranks", low=1),
+    "pipeline_parallel_size": Setting(int, None, "pipeline stages", low=1),
+    "cluster_backend": Setting(str, None, "mp or ray"),
 }
+REQUIRED_LAYOUT = ("nodes", "gpus_per_node", "tensor_parallel_size", "pipeline_parallel_size")
+REQUIRED_VLLM = ("served_model_name", "max_model_len", "port")
 TOP_LEVEL = {"schema": int, "description": str, "model": str, "hf_id": str, "quantization": str,
              "cluster_only": bool, "hardware": dict, "layout": dict, "vllm": dict, "env": dict,
              "workarounds": dict}
@@ -109,6 +131,10 @@ REQUIRED_TOP = ("schema", "description", "model", "hf_id", "quantization", "clus
                 "layout", "vllm")
 CLUSTER_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("mtp",)
+# A recipe's or a model's name is its file's name (recipes/serve/NAME.toml, recipes/models/NAME.toml)
+# and part of a container's (dsa-NAME): a plain file name.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -184,9 +210,21 @@ def serve_recipe_names(recipes_dir: Path = RECIPES_DIR) -> list[str]:
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        return tomllib.loads(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise RecipeFileError(f"{path}: cannot read it: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise RecipeFileError(f"{path}: not UTF-8 (byte {exc.start}); a TOML file is UTF-8 text") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RecipeFileError(f"{path}: not valid TOML: {exc}") from exc
+
+
+def _check_name(name: Any, what: str) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise RecipeFileError(f"{what} {name!r}: not a plain file name (letters, digits, '.', '_', '-'; no '/')")
+    return name
 
 
 def _typed(value: Any, kind: type, where: str) -> Any:
@@ -198,6 +236,7 @@ def _typed(value: Any, kind: type, where: str) -> Any:
 
 
 def load_model(model_id: str, recipes_dir: Path = RECIPES_DIR) -> Model:
+    _check_name(model_id, "model")
     path = recipes_dir / MODELS_DIR_NAME / f"{model_id}.toml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in path.parent.glob("*.toml"))) or "(none)"
@@ -219,10 +258,15 @@ def load_model(model_id: str, recipes_dir: Path = RECIPES_DIR) -> Model:
     missing = [k for k in memory_plan.REQUIRED_CONFIG if k not in config]
     if missing:
         raise RecipeFileError(f"{where}: config lacks {', '.join(missing)}")
+    for key in memory_plan.REQUIRED_CONFIG:  # the plan's arithmetic takes whole numbers, some as divisors
+        least = 0 if key in memory_plan.CONFIG_MAY_BE_ZERO else 1
+        if _typed(config[key], int, f"{where}: {key}") < least:
+            raise RecipeFileError(f"{where}: {key} must be at least {least}, found {config[key]}")
     return Model(model_id, str(raw.get("name", model_id)), path, config, raw)
 
 
 def load_serve_recipe(name: str, recipes_dir: Path = RECIPES_DIR, build: Recipe | None = None) -> ServeRecipe:
+    _check_name(name, "recipe")
     path = serve_dir(recipes_dir) / f"{name}.toml"
     if not path.is_file():
         known = ", ".join(serve_recipe_names(recipes_dir)) or "(none)"
@@ -260,39 +304,14 @@ def parse_serve_recipe(name: str, path: Path, raw: dict[str, Any], recipes_dir: 
     if raw["quantization"] not in SCHEMES:
         raise RecipeFileError(f"{where}: quantization {raw['quantization']!r} unknown; known: {', '.join(SCHEMES)}")
 
-    hardware = dict(raw["hardware"])
-    if not hardware:
-        raise RecipeFileError(f"{where}: [hardware] names no image target")
-    for target, gpu_id in hardware.items():
-        if target not in build.targets:
-            raise RecipeFileError(f"{where}: hardware target {target!r} is not a target of {build.id}: "
-                                  f"{', '.join(build.targets)}")
-        if gpu_id not in GPUS:
-            raise RecipeFileError(f"{where}: hardware.{target} = {gpu_id!r}: unknown GPU; known: {', '.join(GPUS)}")
-        if GPUS[gpu_id].target != target:
-            raise RecipeFileError(f"{where}: hardware.{target} = {gpu_id!r}, but the {GPUS[gpu_id].name} needs the "
-                                  f"{GPUS[gpu_id].target} image")
-
-    layout = {}
-    for key, value in raw["layout"].items():
-        if key not in LAYOUT_SETTINGS:
-            raise RecipeFileError(f"{where}: layout.{key} unknown; known: {', '.join(LAYOUT_SETTINGS)}")
-        layout[key] = _typed(value, LAYOUT_SETTINGS[key], f"{where}: layout.{key}")
-    for key in ("nodes", "gpus_per_node", "tensor_parallel_size", "pipeline_parallel_size"):
-        if key not in layout:
-            raise RecipeFileError(f"{where}: layout.{key} missing")
-        if layout[key] < 1:
-            raise RecipeFileError(f"{where}: layout.{key} must be at least 1")
+    hardware = {target: _typed(gpu, str, f"{where}: hardware.{target}") for target, gpu in raw["hardware"].items()}
+    layout = settings_table("layout", raw["layout"], LAYOUT_SETTINGS, where)
     layout.setdefault("cluster_backend", "mp")
-
-    vllm = {}
-    for key, value in raw["vllm"].items():
-        if key not in VLLM_SETTINGS:
-            raise RecipeFileError(f"{where}: vllm.{key} unknown; known: {', '.join(VLLM_SETTINGS)}")
-        vllm[key] = _typed(value, VLLM_SETTINGS[key].kind, f"{where}: vllm.{key}")
-    for key in ("served_model_name", "max_model_len", "port"):
-        if key not in vllm:
-            raise RecipeFileError(f"{where}: vllm.{key} missing")
+    vllm = settings_table("vllm", raw["vllm"], VLLM_SETTINGS, where)
+    for table, values, required in (("layout", layout, REQUIRED_LAYOUT), ("vllm", vllm, REQUIRED_VLLM)):
+        missing = [key for key in required if key not in values]
+        if missing:
+            raise RecipeFileError(f"{where}: {table}.{missing[0]} missing")
 
     env = []
     for var, entry in raw.get("env", {}).items():
@@ -319,6 +338,20 @@ def parse_serve_recipe(name: str, path: Path, raw: dict[str, Any], recipes_dir: 
     return recipe
 
 
+def settings_table(table: str, values: Mapping[str, Any], schema: Mapping[str, Setting], where: str) -> dict:
+    """A [layout] or [vllm] table checked against the schema: known keys, their types and ranges.
+    The one check of these values, for a recipe file's and for --set's."""
+    checked = {}
+    for key, value in values.items():
+        if key not in schema:
+            raise RecipeFileError(f"{where}: {table}.{key} unknown; known: {', '.join(schema)}")
+        checked[key] = _typed(value, schema[key].kind, f"{where}: {table}.{key}")
+        problem = schema[key].range_problem(checked[key]) if schema[key].kind in (int, float) else None
+        if problem:
+            raise RecipeFileError(f"{where}: {table}.{key} = {checked[key]!r}: {problem}")
+    return checked
+
+
 def _check_link(link: str, where: str) -> None:
     if not link.startswith("https://"):
         raise RecipeFileError(f"{where}: link must be an https:// URL, found {link!r}")
@@ -328,6 +361,15 @@ def check_recipe(recipe: ServeRecipe, build: Recipe) -> None:
     """The checks an override can also break: RecipeFileError for values, LayoutError for layouts."""
     where = str(recipe.path)
     vllm, cfg = recipe.vllm, recipe.model.config
+    check_hardware(recipe, build)
+    for var in recipe.env:
+        if not ENV_NAME.fullmatch(var.name):
+            raise RecipeFileError(f"{where}: env.{var.name}: {var.name!r} is not an environment variable name "
+                                  "(letters, digits, '_'; not a digit first)")
+    if not recipe.hf_id or recipe.hf_id.startswith("-"):
+        raise RecipeFileError(f"{where}: hf_id {recipe.hf_id!r}: expected a model id or path for vllm serve")
+    if any(not key for key in vllm.get("hf_overrides", {})):
+        raise RecipeFileError(f"{where}: hf_overrides has an empty key")
     if recipe.layout["cluster_backend"] not in CLUSTER_BACKENDS:
         raise RecipeFileError(f"{where}: cluster_backend {recipe.layout['cluster_backend']!r}; "
                               f"one of {', '.join(CLUSTER_BACKENDS)}")
@@ -339,12 +381,8 @@ def check_recipe(recipe: ServeRecipe, build: Recipe) -> None:
     if method == "mtp" and cfg["num_nextn_predict_layers"] < 1:
         raise RecipeFileError(f"{where}: MTP needs a model with an MTP layer; {recipe.model.id} has "
                               f"num_nextn_predict_layers {cfg['num_nextn_predict_layers']}")
-    if vllm.get("num_speculative_tokens", 1) < 1:
-        raise RecipeFileError(f"{where}: num_speculative_tokens must be at least 1")
     if vllm.get("enable_auto_tool_choice") and "tool_call_parser" not in vllm:
         raise RecipeFileError(f"{where}: enable_auto_tool_choice needs a tool_call_parser")
-    if not 0 < vllm.get("gpu_memory_utilization", 0.92) <= 1:
-        raise RecipeFileError(f"{where}: gpu_memory_utilization must be in (0, 1]")
     if vllm["max_model_len"] > cfg["max_position_embeddings"]:
         raise RecipeFileError(f"{where}: max_model_len {vllm['max_model_len']} exceeds the model's "
                               f"max_position_embeddings {cfg['max_position_embeddings']}")
@@ -360,10 +398,28 @@ def check_recipe(recipe: ServeRecipe, build: Recipe) -> None:
     check_layout(recipe)
 
 
+def check_hardware(recipe: ServeRecipe, build: Recipe) -> None:
+    where = str(recipe.path)
+    if not recipe.hardware:
+        raise RecipeFileError(f"{where}: [hardware] names no image target")
+    for target, gpu_id in recipe.hardware.items():
+        if target not in build.targets:
+            raise RecipeFileError(f"{where}: hardware target {target!r} is not a target of {build.id}: "
+                                  f"{', '.join(build.targets)}")
+        if gpu_id not in GPUS:
+            raise RecipeFileError(f"{where}: hardware.{target}: unknown GPU {gpu_id!r}; known: {', '.join(GPUS)}")
+        if GPUS[gpu_id].target != target:
+            raise RecipeFileError(f"{where}: hardware.{target} = {gpu_id!r}, but the {GPUS[gpu_id].name} needs the "
+                                  f"{GPUS[gpu_id].target} image")
+
+
 def check_backend(recipe: ServeRecipe, target: str, build: Recipe) -> None:
     backend, kv_dtype = attention_backend(recipe, target, build), kv_cache_dtype(recipe, target, build)
     where = f"{recipe.path} (target {target})"
-    backends = memory_plan.backends(build.vllm_version)
+    try:
+        backends = memory_plan.backends(build.vllm_version)
+    except ValueError as exc:
+        raise RecipeFileError(str(exc)) from None
     if backend not in backends:
         raise RecipeFileError(f"{where}: attention_backend {backend!r}: not a sparse-MLA backend of vLLM "
                               f"{build.vllm_version} ({', '.join(backends)})")
@@ -438,9 +494,11 @@ def apply_overrides(recipe: ServeRecipe, assignments: list[str], build: Recipe) 
             if text == "":
                 vllm.pop(key, None)
             else:
-                vllm[key] = parse_value(text, VLLM_SETTINGS[key].kind, where)
+                vllm.update(settings_table("vllm", {key: parse_value(text, VLLM_SETTINGS[key].kind, where)},
+                                           VLLM_SETTINGS, where))
         elif key in LAYOUT_SETTINGS:
-            layout[key] = parse_value(text, LAYOUT_SETTINGS[key], where)
+            layout.update(settings_table("layout", {key: parse_value(text, LAYOUT_SETTINGS[key].kind, where)},
+                                         LAYOUT_SETTINGS, where))
         elif key == "hf_id":
             hf_id = text
         elif key.startswith("hf_overrides."):
@@ -449,10 +507,7 @@ def apply_overrides(recipe: ServeRecipe, assignments: list[str], build: Recipe) 
             name = key.split(".", 1)[1]
             env[name] = EnvVar(name, text, "set with --set", "")
         elif key.startswith("hardware."):
-            target = key.split(".", 1)[1]
-            if text not in GPUS:
-                raise RecipeFileError(f"{where}: unknown GPU {text!r}; known: {', '.join(GPUS)}")
-            hardware[target] = text
+            hardware[key.split(".", 1)[1]] = text
         else:
             known = [*(k for k, s in VLLM_SETTINGS.items() if s.kind is not dict), *LAYOUT_SETTINGS, "hf_id",
                      "hf_overrides.NAME", "env.NAME", "hardware.TARGET"]
@@ -516,7 +571,8 @@ class Node:
     rank: int
     address: str
     role: str  # "solo", "head", "worker"
-    docker: list[str]  # the docker command (shell words)
+    docker: list[str]  # the docker command: its argv here (HomePath words: see there)
+    container: str  # the name it runs under (--name)
     then: list[str] = field(default_factory=list)  # a command run after all containers are up (Ray)
     detached: bool = False
 
@@ -533,12 +589,24 @@ class Launch:
     notes: tuple[str, ...]
 
 
-class Shell(str):
-    """A word printed as is (it relies on the shell, e.g. $HOME): never quoted."""
+class HomePath(str):
+    """A word naming a path under the home directory of whichever host runs the command. As a
+    str it is this host's path: what `docker run` gets here, run without a shell. In a shell
+    command (shell_join: the printed commands, and the one ssh hands a worker's shell) it is
+    "$HOME"'/REST', so each node's shell puts in its own home and the rest stays quoted.
+    `tail`: what follows the home directory (`/.cache/huggingface:/home/vllm/...`)."""
+
+    shell: str
+
+    def __new__(cls, tail: str) -> "HomePath":
+        word = super().__new__(cls, os.path.expanduser("~") + tail)
+        word.shell = '"$HOME"' + (shlex.quote(tail) if tail else "")
+        return word
 
 
 def shell_join(words: list[str]) -> str:
-    return " ".join(w if isinstance(w, Shell) else shlex.quote(w) for w in words)
+    """`words` as one POSIX shell command: every word quoted (a HomePath as its shell form)."""
+    return " ".join(w.shell if isinstance(w, HomePath) else shlex.quote(w) for w in words)
 
 
 def image_ref(build: Recipe, target: str, repository: str = IMAGE_REPOSITORY) -> str:
@@ -552,15 +620,38 @@ def ray_modes_available() -> bool:
     return {"ray-head", "ray-worker"} <= set(entrypoint.MODES)
 
 
-def _hf_volume(hf_cache: str) -> str:
-    if hf_cache.startswith("~/"):
-        return Shell(f'"$HOME/{hf_cache[2:]}":{CONTAINER_HF_CACHE}')
-    return f"{hf_cache}:{CONTAINER_HF_CACHE}"
+# Docker's own rule for a named volume (a -v source that is no absolute path).
+VOLUME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]+")
+# What --nodes may name: a host name or an IPv4/IPv6 address (never a word ssh would take as an option).
+HOST = re.compile(r"[A-Za-z0-9:\[][A-Za-z0-9_.:%\[\]-]*")
+REPOSITORY = re.compile(r"[a-z0-9][a-z0-9._/:-]*")
+
+
+def hf_volume(hf_cache: str) -> str:
+    """`-v`'s value for --hf-cache: ~ and ~/PATH under each node's own home (HomePath), an
+    absolute path or a Docker volume name as they are. A `:` would split docker's -v value."""
+    home = hf_cache == "~" or hf_cache.startswith("~/")
+    if ":" not in hf_cache and (home or os.path.isabs(hf_cache) or VOLUME_NAME.fullmatch(hf_cache)):
+        suffix = f":{CONTAINER_HF_CACHE}"
+        return HomePath(hf_cache[1:] + suffix) if home else f"{hf_cache}{suffix}"
+    raise RecipeFileError(f"--hf-cache {hf_cache!r}: expected ~/PATH, an absolute path or a Docker volume name, "
+                          "without ':'")
+
+
+def check_hosts(hosts: list[str]) -> None:
+    for host in hosts:
+        if not HOST.fullmatch(host):
+            raise RecipeFileError(f"--nodes: {host!r} is not a host name or address")
 
 
 def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[str] | None, solo: bool,
                 extra: list[str] = (), repository: str = IMAGE_REPOSITORY, hf_cache: str = DEFAULT_HF_CACHE,
                 ifname: str | None = None) -> Launch:
+    if not REPOSITORY.fullmatch(repository):
+        raise RecipeFileError(f"--image {repository!r}: not an image repository (lower case, e.g. dsa-image or "
+                              "registry.example:5000/dsa-image)")
+    check_hosts(hosts or [])
+    volume = hf_volume(hf_cache)
     if target not in recipe.hardware:
         raise TargetError(f"recipe {recipe.name} runs on the {', '.join(recipe.targets)} image(s), not {target} "
                           f"(its GPUs: {', '.join(GPUS[g].name for g in recipe.hardware.values())})")
@@ -583,7 +674,7 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
     args = vllm_args(recipe, target, build, list(extra))
     notes = []
     port = str(recipe.vllm["port"])
-    common = ["--gpus", "all", "--ipc=host", "-v", _hf_volume(hf_cache), "-e", "HF_TOKEN"]
+    common = ["--gpus", "all", "--ipc=host", "-v", volume, "-e", "HF_TOKEN"]
     if ifname:
         env = {**env, "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
 
@@ -595,7 +686,7 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
         docker = ["docker", "run", "--rm", "--name", name, *common, "-p", f"{port}:{port}", *env_flags(),
                   image, "serve", *args]
         return Launch(recipe, target, image, ["vllm", "serve", *args], env,
-                      (Node(0, (hosts or ["localhost"])[0], "solo", docker),), plan, tuple(notes))
+                      (Node(0, (hosts or ["localhost"])[0], "solo", docker, name),), plan, tuple(notes))
 
     addresses = hosts or ["HEAD_ADDR", *(f"NODE{i}_ADDR" for i in range(1, nodes_wanted))]
     if hosts is None:
@@ -618,7 +709,7 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
             docker = ["docker", "run", "-d", "--rm", "--name", container, *common, "--network", "host",
                       *env_flags(node_env), image, *mode]
             then = ["docker", "exec", f"{name}-head", *serve] if rank == 0 else []
-            nodes.append(Node(rank, address, role, docker, then, detached=True))
+            nodes.append(Node(rank, address, role, docker, container, then, detached=True))
         return Launch(recipe, target, image, serve, env, tuple(nodes), plan, tuple(notes))
 
     for rank, address in enumerate(addresses):
@@ -627,9 +718,10 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
                      "--master-port", str(MP_MASTER_PORT)]
         if rank > 0:
             node_args.append("--headless")
-        docker = ["docker", "run", *(["-d"] if rank else []), "--rm", "--name", f"{name}-node{rank}", *common,
+        container = f"{name}-node{rank}"
+        docker = ["docker", "run", *(["-d"] if rank else []), "--rm", "--name", container, *common,
                   "--network", "host", *env_flags(), image, "serve", *node_args]
-        nodes.append(Node(rank, address, role, docker, detached=rank > 0))
+        nodes.append(Node(rank, address, role, docker, container, detached=rank > 0))
     head_args = nodes[0].docker[nodes[0].docker.index("serve") + 1:]
     return Launch(recipe, target, image, ["vllm", "serve", *head_args], env, tuple(nodes), plan, tuple(notes))
 
@@ -777,13 +869,35 @@ def parse_request(argv: list[str], prog: str, recipes_dir: Path, default_target:
         out(list_recipes(recipes_dir, build, args.target or default_target))
         return OK
     if not args.name:
-        raise RecipeFileError(f"name a recipe (or --list); recipes: {', '.join(serve_recipe_names(recipes_dir))}")
+        raise RecipeFileError(f"name a recipe (or --list); {recipe_choices(recipes_dir, build, default_target)}")
     if args.solo and args.nodes:
         raise RecipeFileError("--solo and --nodes exclude each other")
     recipe = load_serve_recipe(args.name, recipes_dir, build)
     recipe = apply_overrides(recipe, args.overrides, build)
     target = args.target or default_target or recipe.targets[0]
     return Request(recipe, target, args, extra, build, recipes_dir)
+
+
+def recipe_choices(recipes_dir: Path, build: Recipe, target: str | None) -> str:
+    """The recipes to choose from: with a target (the image's), those for it, then which are
+    for other images."""
+    names = serve_recipe_names(recipes_dir)
+    if target is None:
+        return f"recipes: {', '.join(names) or '(none)'}"
+    ours, others, invalid = [], [], []
+    for name in names:
+        try:
+            targets = load_serve_recipe(name, recipes_dir, build).targets
+        except ServeError:
+            invalid.append(name)
+            continue
+        if target in targets:
+            ours.append(name)
+        else:
+            others.append(f"{name} ({', '.join(targets)})")
+    text = f"recipes for this image ({target}): {', '.join(ours) or '(none)'}"
+    text += f"; for other images: {', '.join(others)}" if others else ""
+    return text + (f"; invalid (--list says why): {', '.join(invalid)}" if invalid else "")
 
 
 def plan_request(request: Request) -> Launch:
@@ -813,7 +927,10 @@ def host_gpu_problem(target: str, build: Recipe, run: Callable = subprocess.run)
 
 
 def execute(launch: Launch, request: Request, run: Callable = subprocess.run) -> int:
-    """Start the containers: workers over ssh (detached), then the head here, in the foreground."""
+    """Start the containers: the detached ones first (workers over ssh; Ray's head here), then
+    the foreground command here. All or nothing: when a start fails, and when the foreground
+    command ends (its status, a Ctrl-C), the detached containers this launch started are stopped
+    (`docker stop`; they run with --rm, so that removes them too)."""
     problem = host_gpu_problem(launch.target, request.build, run)
     if problem:
         raise TargetError(problem)
@@ -822,17 +939,41 @@ def execute(launch: Launch, request: Request, run: Callable = subprocess.run) ->
                           "yet; use --set cluster_backend=mp")
     ssh = shlex.split(request.args.ssh)
     head, workers = launch.nodes[0], launch.nodes[1:]
+    # (node, command, whether it starts a detached container)
     if head.then:  # Ray: the head's Ray first, then the workers join, then vllm serve on the head
-        order = [(head, head.docker, False), *((w, w.docker, True) for w in workers), (head, head.then, False)]
+        order = [(head, head.docker, True), *((w, w.docker, True) for w in workers), (head, head.then, False)]
     else:
         order = [*((w, w.docker, True) for w in workers), (head, head.docker, False)]
-    for node, command, remote in order:
-        argv = [*ssh, node.address, shell_join(command)] if remote else command
-        print(f"serve: {shell_join(argv)}", file=sys.stderr, flush=True)
-        done = run(argv, check=False)
+    started: list[Node] = []
+    try:
+        for node, command, detached in order:
+            done = run(_on_node(node, command, ssh), check=False)
+            if done.returncode != 0:
+                print(f"serve: node {node.rank} ({node.address}) failed, exit {done.returncode}", file=sys.stderr)
+                return done.returncode
+            if detached:
+                started.append(node)
+        return OK
+    finally:
+        _stop(started, ssh, run)
+
+
+def _on_node(node: Node, command: list[str], ssh: list[str]) -> list[str]:
+    """The argv that runs `command` on the node: here as it is, on another node as one shell command."""
+    argv = [*ssh, node.address, shell_join(command)] if node.rank > 0 else list(command)
+    print(f"serve: {shell_join(argv)}", file=sys.stderr, flush=True)
+    return argv
+
+
+def _stop(started: list[Node], ssh: list[str], run: Callable) -> None:
+    if started:
+        print(f"serve: stopping the {len(started)} container(s) this launch started", file=sys.stderr, flush=True)
+    for node in reversed(started):
+        stop = ["docker", "stop", node.container]
+        done = run(_on_node(node, stop, ssh), check=False)
         if done.returncode != 0:
-            return done.returncode
-    return OK
+            print(f"serve: could not stop {node.container} on node {node.rank} ({node.address}), exit "
+                  f"{done.returncode}; stop it there: {shell_join(stop)}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None, *, prog: str = "serve.py", recipes_dir: Path = RECIPES_DIR,

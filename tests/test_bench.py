@@ -51,14 +51,19 @@ class FakeOpenAI:
     without drafts (a server whose draft path does not run).
 
     busy: the first `busy` completions are refused with vLLM 0.33.0's HTTP 503 for a full queue
-    (QueueOverflowError, vllm/exceptions.py), as under --max-num-queued-reqs."""
+    (QueueOverflowError, vllm/exceptions.py), as under --max-num-queued-reqs.
+
+    enforce_max_model_len: as vLLM's completions do, a prompt longer than max_model_len is an
+    HTTP 400 and max_tokens is cut to what max_model_len leaves (serving_completion's
+    get_max_tokens)."""
 
     def __init__(self, ttft_s=0.0, token_s=0.0, max_model_len=8192, faults=(), unhealthy_polls=0,
-                 spec=False, jit_line_on_first=False, busy=0):
+                 spec=False, jit_line_on_first=False, busy=0, enforce_max_model_len=False):
         self.ttft_s, self.token_s, self.max_model_len = ttft_s, token_s, max_model_len
         self.faults, self.unhealthy_polls, self.spec = set(faults), unhealthy_polls, spec
         self.jit_line_on_first = jit_line_on_first
         self.busy = busy
+        self.enforce_max_model_len = enforce_max_model_len
         self.refused = 0
         self.requests: list[dict] = []
         self.active = self.max_active = 0
@@ -88,6 +93,8 @@ class FakeOpenAI:
     def output(self, prompt, max_tokens: int) -> list[int]:
         if "no_tokens" in self.faults:
             return []
+        if self.enforce_max_model_len:
+            max_tokens = min(max_tokens, self.max_model_len - len(prompt))
         count = max_tokens - (1 if "short" in self.faults else 0)
         return fake_ids(prompt, count, 1 if "salt" in self.faults else 0)
 
@@ -183,6 +190,8 @@ def make_handler(state: FakeOpenAI):
 
         def _complete(self, body) -> int:
             prompts = self._prompts(body)
+            if state.enforce_max_model_len and max(map(len, prompts)) > state.max_model_len:
+                return self._send(400, {"error": {"message": f"maximum context length is {state.max_model_len}"}})
             outs = [state.output(p, body["max_tokens"]) for p in prompts]
             time.sleep(state.ttft_s + state.token_s * body["max_tokens"])
             choices = [{"index": i, "text": state.text(ids), "finish_reason": "length",

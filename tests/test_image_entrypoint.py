@@ -70,6 +70,82 @@ def test_arguments_go_to_vllm_serve_with_defaults_only_for_flags_not_given():
     assert _value(argv, "--served-model-name") == RECIPE.serving["served_model_name"]
 
 
+# -- a user's --config file and a bare `--` (issue #24 item 14) -----------------------------------
+
+USERS_CONFIG = """# a user's vLLM config: flag names without the dashes, as vLLM reads them
+port: 9001
+max_model_len: 1024   # vLLM takes _ for -
+"served-model-name": mine
+compilation-config:
+  level: 3
+"""
+
+
+def test_defaults_for_flags_a_config_file_sets_are_left_to_the_file(tmp_path):
+    """vLLM ranks the command line over --config: the defaults the entrypoint added as flags
+    silently overrode the file's port, max-model-len and served-model-name."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(USERS_CONFIG)
+    argv = _server(entrypoint.plan(["some/model", "--config", str(config)], ENVIRON).argv)
+    assert argv == ["vllm", "serve", "some/model", "--config", str(config), "--kv-cache-dtype", SM120.kv_cache_dtype]
+
+
+def test_a_relative_config_file_is_read_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "serve.yaml").write_text("port: 9001\n")
+    monkeypatch.chdir(tmp_path)
+    argv = _server(entrypoint.plan(["some/model", "--config=serve.yaml"], ENVIRON).argv)
+    assert "--port" not in argv and "--max-model-len" in argv
+
+
+def test_defaults_go_before_a_bare_double_dash():
+    """After `--` vLLM's parser takes every word as positional: defaults there were
+    "unrecognized arguments"; and a flag after it is no flag given."""
+    argv = _server(entrypoint.plan(["--tensor-parallel-size", "2", "--", "some/model"], ENVIRON).argv)
+    end = argv.index("--")
+    assert argv[end:] == ["--", "some/model"]
+    assert [_value(argv, f) for f in ("--port", "--max-model-len")] == [str(RECIPE.serving["port"]),
+                                                                      str(RECIPE.serving["max_model_len"])]
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "cannot read it"),
+    ("{port: 9001}\n", "line 1 ('{port: 9001}'): not a top-level `key: value` line"),
+    ("base: &b 1\n<<: *b\n", "line 2 ('<<: *b'): not a top-level"),
+    ("port: 1\n---\nport: 2\n", "line 2 ('---'): not a top-level"),
+    ("port: 1\n\tmax-model-len: 2\n", "line 2 ('max-model-len: 2'): a tab indents it"),
+    (b"port: 9\xff\n", "cannot read it ('utf-8' codec can't decode"),
+])
+def test_a_config_file_it_cannot_read_for_certain_is_refused_in_one_line(no_exec, capsys, tmp_path, text, message):
+    config = tmp_path / "serve.yaml"
+    if isinstance(text, bytes):
+        config.write_bytes(text)
+    elif text is not None:
+        config.write_text(text)
+    assert entrypoint.main(["some/model", "--config", str(config)], gpu_check=_gpu_check_must_not_run) == entrypoint.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"dsa-image: --config {config}") and message in err and err.count("\n") == 1, err
+
+
+# -- a mistyped mode (issue #24 item 23) ----------------------------------------------------------
+
+@pytest.mark.parametrize("word, meant", [("verfiy", "verify"), ("selftset", "selftest"), ("recipes", "recipe"),
+                                         ("ray-haed", "ray-head")])
+def test_a_mistyped_mode_is_refused_naming_the_mode_meant(no_exec, capsys, monkeypatch, tmp_path, word, meant):
+    """`docker run IMAGE verfiy` was served as a model named verfiy ("no usable NVIDIA GPU")."""
+    monkeypatch.chdir(tmp_path)  # where no path of that name exists
+    assert entrypoint.main([word], gpu_check=_gpu_check_must_not_run) == entrypoint.USAGE
+    err = capsys.readouterr().err
+    assert err.startswith(f"dsa-image: unknown mode {word!r}, did you mean {meant}?") and err.count("\n") == 1
+    assert f"docker run IMAGE serve {word}" in err
+
+
+def test_a_model_id_or_path_that_looks_like_a_mode_is_served(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "verfiy").mkdir()  # a local model directory of that name
+    for word in ("verfiy", "org/verfiy", "gpt2", "./recipes"):  # a path; a repository id; close to no mode
+        assert entrypoint.split_mode([word, "-tp", "2"]) == ("serve", [word, "-tp", "2"]), word
+
+
 # -- the warm-up: healthy only once the first requests' kernels are compiled ---------------------
 
 def test_serve_runs_vllm_under_the_warmup_supervisor_from_the_images_tool():

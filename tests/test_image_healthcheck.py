@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsa_image import healthcheck, warmup
-from dsa_image.healthcheck import Endpoint
+from dsa_image.serve_command import VLLM_DEFAULT_PORT, Endpoint
 
 # The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,25 +45,37 @@ def test_serve_args_recognises_vllm_serve_only(cmdline, args):
 
 
 @pytest.mark.parametrize("args, endpoint", [
-    ([], Endpoint("http", "127.0.0.1", healthcheck.VLLM_DEFAULT_PORT)),
+    ([], Endpoint("http", "127.0.0.1", VLLM_DEFAULT_PORT)),
     (["m", "--port", "9000"], Endpoint("http", "127.0.0.1", 9000)),
     (["m", "--port=9000"], Endpoint("http", "127.0.0.1", 9000)),
     (["m", "--port", "8000", "--port", "9001"], Endpoint("http", "127.0.0.1", 9001)),
     (["m", "--host", "0.0.0.0", "--port", "9000"], Endpoint("http", "127.0.0.1", 9000)),
-    (["m", "--host=::"], Endpoint("http", "::1", healthcheck.VLLM_DEFAULT_PORT)),
-    (["m", "--host", "10.1.2.3"], Endpoint("http", "10.1.2.3", healthcheck.VLLM_DEFAULT_PORT)),
+    (["m", "--host=::"], Endpoint("http", "::1", VLLM_DEFAULT_PORT)),
+    (["m", "--host", "10.1.2.3"], Endpoint("http", "10.1.2.3", VLLM_DEFAULT_PORT)),
     (["m", "--ssl_certfile", "/c.pem", "--port", "443"], Endpoint("https", "127.0.0.1", 443)),
-    (["m", "--uds", "/tmp/v.sock", "--port", "9000"], Endpoint("http", "127.0.0.1", 9000, "/tmp/v.sock")),
+    (["m", "--uds", "/tmp/v.sock", "--port", "9000"], Endpoint(uds="/tmp/v.sock")),
     # a trailing --port without its value (vLLM refuses it): the default, not a crash
-    (["--served-model-name", "--port"], Endpoint("http", "127.0.0.1", healthcheck.VLLM_DEFAULT_PORT)),
+    (["--served-model-name", "--port"], Endpoint("http", "127.0.0.1", VLLM_DEFAULT_PORT)),
 ])
 def test_endpoint_follows_the_command_line(args, endpoint):
     assert healthcheck.endpoint_of(args) == endpoint
 
 
+@pytest.mark.parametrize("args", [
+    [], ["m", "--port", "9000"], ["m", "--port=9000", "--host", "::"], ["m", "--port", "1", "--port", "2"],
+    ["m", "--ssl_certfile", "/c.pem", "--host=10.0.0.5"], ["m", "--uds", "/tmp/v.sock"],
+    ["m", "--port", "9000", "--port"],  # a trailing --port without its value: the one before it
+    ["m", "--port", "9000", "--", "--port", "1"],  # after a bare --, no flag
+])
+def test_the_warmup_and_the_healthcheck_read_one_command_line_alike(args):
+    """Issue #24's review: two parsers read a trailing --port differently (the warm-up took it as
+    none, the healthcheck as the earlier one). Both now call dsa_image.serve_command."""
+    assert warmup.serve_endpoint(["vllm", "serve", *args], {}) == healthcheck.endpoint_of(args)
+
+
 def test_endpoint_urls():
-    assert Endpoint("http", "127.0.0.1", 9000).url == "http://127.0.0.1:9000/health"
-    assert Endpoint("http", "::1", 8000).url == "http://[::1]:8000/health"
+    assert Endpoint("http", "127.0.0.1", 9000).url("/health") == "http://127.0.0.1:9000/health"
+    assert Endpoint("http", "::1", 8000).url("/health") == "http://[::1]:8000/health"
 
 
 def _fake_proc(root: Path, processes: dict[int, list[str]], environ: dict[int, dict[str, str]] | None = None) -> Path:
@@ -197,6 +209,55 @@ def test_without_the_warmup_health_alone_decides_and_an_unreadable_environment_f
     (proc / "1" / "environ").unlink()
     assert healthcheck.main(proc) == 1
     assert "cannot read the server's environment" in capsys.readouterr().out.splitlines()[-1]
+
+
+# -- what the healthcheck cannot read is an unhealthy answer, never a traceback (issue #24 item 19) --
+
+
+def test_a_marker_that_is_a_json_list_is_unhealthy_saying_so(server, tmp_path, capsys):
+    port, _ = server
+    marker = tmp_path / "warm.json"
+    proc = _supervised(tmp_path, port, marker)
+    marker.write_text("[9, 4242]\n")
+    assert healthcheck.main(proc) == 1
+    out = capsys.readouterr().out
+    assert out == (f"unhealthy: http://127.0.0.1:{port}/health answers, but readiness marker {marker} unreadable: "
+                   "a JSON list, not the object the warm-up writes\n")
+
+
+def test_a_marker_path_that_is_not_utf8_is_followed(server, tmp_path, capsys):
+    port, _ = server
+    marker = os.fsencode(tmp_path) + b"/warm-\xff.json"  # a path is bytes; this one is no UTF-8
+    proc = _supervised(tmp_path, port, tmp_path / "unused")
+    (proc / "9" / "environ").write_bytes(b"PATH=/bin\0" + warmup.MARKER_ENV.encode() + b"=" + marker + b"\0")
+    assert healthcheck.main(proc) == 1
+    assert "warming up: no readiness marker" in capsys.readouterr().out
+    warmup.write_marker(Path(os.fsdecode(marker)), 9, {"seconds": 1.0}, proc)
+    assert healthcheck.main(proc) == 0
+    assert capsys.readouterr().out == f"healthy: http://127.0.0.1:{port}/health\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host", "a b"], "--host 'a b': not a host name or address"),
+    (["--port", "99999"], "--port '99999': not a port number (1-65535)"),
+    (["--config", "/nonexistent/serve.yaml"], "--config /nonexistent/serve.yaml: cannot read it"),
+])
+def test_a_command_line_it_cannot_probe_is_unhealthy_saying_so(tmp_path, capsys, args, message):
+    assert healthcheck.main(_fake_proc(tmp_path, {1: [*VLLM, "m", *args]})) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"unhealthy: {message}") and out.count("\n") == 1, out
+
+
+def test_the_port_a_config_file_sets_is_the_one_probed(server, tmp_path, capsys):
+    """The entrypoint leaves a --config file's port to it now (issue #24 item 14), so the
+    healthcheck reads the file too, relative to the server's working directory."""
+    port, _ = server
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "serve.yaml").write_text(f"# the user's\nport: {port}\n")
+    proc = _fake_proc(tmp_path / "proc", {1: [*VLLM, "m", "--config", "serve.yaml"]})
+    (proc / "1" / "cwd").symlink_to(tmp_path / "work")  # as /proc/PID/cwd is
+    assert healthcheck.main(proc) == 0
+    assert capsys.readouterr().out == f"healthy: http://127.0.0.1:{port}/health\n"
 
 
 def test_main_without_vllm_is_unhealthy_and_says_why(tmp_path, capsys):

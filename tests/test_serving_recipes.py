@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import math
+import os
 import shlex
 import shutil
 import subprocess
@@ -294,6 +296,93 @@ def test_schema_errors_name_the_problem(tmp_path, name, edit, error, message):
     assert type(caught.value) is error
 
 
+TINY = "tiny-glm5"
+TINY_HARDWARE = '[hardware]\nsm120 = "rtx-pro-6000"\nsm100 = "b200"\nsm90 = "h200"\n'
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    # issue #24 item 15: each of these was a traceback, or accepted
+    (TINY, lambda t: t.replace('sm120 = "rtx-pro-6000"', 'sm120 = ["rtx-pro-6000"]'),
+     "hardware.sm120: expected str, found ['rtx-pro-6000']"),
+    (TINY, lambda t: t.replace(TINY_HARDWARE, '[hardware.sm120]\ngpu = "rtx-pro-6000"\n'),
+     "hardware.sm120: expected str, found {'gpu': 'rtx-pro-6000'}"),
+    (TINY, lambda t: 'hardware = ["sm120"]\n' + t.replace(TINY_HARDWARE, ""), "hardware: expected dict"),
+    (TINY, lambda t: t.replace("max_model_len = 8192", "max_model_len = 0"), "vllm.max_model_len = 0: must be at least 1"),
+    (TINY, lambda t: t.replace("max_model_len = 8192", "max_model_len = -5"), "vllm.max_model_len = -5: must be at least 1"),
+    (TINY, lambda t: t.replace("port = 8000", "port = -1"), "vllm.port = -1: must be at least 1 and at most 65535"),
+    (TINY, lambda t: t.replace("port = 8000", "port = 99999999999"), "vllm.port = 99999999999: must be at least 1"),
+    (TINY, lambda t: t.replace("block_size = 64", "block_size = -64"), "vllm.block_size = -64: must be at least 1"),
+    (SPARK, lambda t: t.replace("max_num_seqs = 4", "max_num_seqs = -3"), "vllm.max_num_seqs = -3: must be at least 1"),
+    (TINY, lambda t: t.replace("nodes = 1", "nodes = 0"), "layout.nodes = 0: must be at least 1"),
+    (TINY, lambda t: t.replace('model = "tiny-glm5"', 'model = "../glm5-dsa"'), "model '../glm5-dsa': not a plain file name"),
+    (TINY, lambda t: t + '[env.""]\nvalue = "1"\nreason = "r"\nlink = "https://x"\n', "env.: '' is not an environment"),
+    (TINY, lambda t: t.replace('hf_id = "/opt/dsa-image/models/tiny-glm5"', 'hf_id = "--load-format=x"'),
+     "hf_id '--load-format=x': expected a model id or path"),
+])
+def test_recipe_values_out_of_the_schemas_range_are_one_clear_error(tmp_path, name, edit, message):
+    root = copy_recipes(tmp_path, name, edit)
+    with pytest.raises(sr.RecipeFileError) as caught:
+        sr.load_serve_recipe(name, root, BUILD)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_recipe_that_is_not_utf8_is_named_and_the_list_shows_the_others(tmp_path, capsys):
+    root = copy_recipes(tmp_path, TINY, lambda t: t)
+    (root / "serve" / "broken.toml").write_bytes(b'description = "caf\xe9"\n')
+    with pytest.raises(sr.RecipeFileError, match=r"broken.toml: not UTF-8 \(byte 18\)"):
+        sr.load_serve_recipe("broken", root, BUILD)
+    assert sr.main(["--list"], recipes_dir=root) == 0
+    listing = capsys.readouterr().out.splitlines()
+    broken = next(line for line in listing if line.startswith("broken "))
+    assert "INVALID" in broken and "not UTF-8" in broken
+    assert {line.split()[0] for line in listing[1:]} == {*ALL, "broken"}
+
+
+@pytest.mark.parametrize("escape", ["../outside", "ABSOLUTE"])
+def test_a_recipe_name_is_a_plain_file_name(tmp_path, capsys, escape):
+    """`../x` and `/tmp/x` loaded the file there (and named the container dsa-/tmp/x)."""
+    root = copy_recipes(tmp_path, TINY, lambda t: t)
+    shutil.copy(root / "serve" / f"{TINY}.toml", root / "outside.toml")  # recipes/serve/../outside.toml
+    name = str(root / "outside") if escape == "ABSOLUTE" else escape
+    assert sr.main([name, "--dry-run"], recipes_dir=root) == 2
+    err = capsys.readouterr().err
+    assert err == f"serve: recipe {name!r}: not a plain file name (letters, digits, '.', '_', '-'; no '/')\n"
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("block_size=0", "vllm.block_size = 0: must be at least 1"),  # was a ZeroDivisionError
+    ("tensor_parallel_size=0", "layout.tensor_parallel_size = 0: must be at least 1"),  # ZeroDivisionError too
+    ("max_model_len=-5", "vllm.max_model_len = -5: must be at least 1"),
+    ("port=99999999999", "vllm.port = 99999999999: must be at least 1 and at most 65535"),
+    ("max_num_seqs=-3", "vllm.max_num_seqs = -3: must be at least 1"),
+    ("gpu_memory_utilization=nan", "vllm.gpu_memory_utilization = nan: must be above 0 and at most 1"),
+    ("env.=1", "env.: '' is not an environment variable name"),
+    ("env.A B=1", "env.A B: 'A B' is not an environment variable name"),
+    ("hf_id=", "hf_id '': expected a model id or path"),
+    ("hardware.sm75=b200", "hardware target 'sm75' is not a target of glm5-dsa"),
+])
+def test_cli_overrides_out_of_range_exit_2_with_one_line(assignment, message):
+    done = serve(TINY, "--dry-run", "--set", assignment)
+    assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_images_recipe_mode_refuses_an_empty_variable_name():
+    """`--set env.=1` reached os.execvpe, which raised on the empty name."""
+    plan = sr.image_mode([TINY, "--set", "env.=1"], IMAGE_ENV)
+    assert (plan.exit_code, plan.argv) == (2, []) and "not an environment variable name" in plan.error
+
+
+def test_recipe_without_a_name_in_the_image_names_its_own_recipes_apart_from_other_images():
+    """Issue #24 item 23: it listed every recipe, and naming one of another image was exit 5."""
+    plan = sr.image_mode([], IMAGE_ENV)
+    assert plan.exit_code == 2
+    ours, _, others = plan.error.partition("; for other images: ")
+    sm120 = sorted(n for n in ALL if "sm120" in load(n).targets)
+    assert ours == f"name a recipe (or --list); recipes for this image (sm120): {', '.join(sm120)}"
+    assert others == "glm-5-fp8-8xb200 (sm100)"
+
+
 # The block sizes a backend takes are its release's: FLASHINFER_MLA_SPARSE_SM120 takes 64 and 256 on
 # vLLM 0.24.0, any multiple of 64 on 0.33.0 (memory_plan.KV_RELEASES).
 @pytest.mark.parametrize("vllm, block, message", [
@@ -348,7 +437,7 @@ def test_unsetting_a_setting_falls_back_to_the_target_default():
     ("colour=blue", sr.RecipeFileError, "unknown key 'colour'"),
     ("max_model_len", sr.RecipeFileError, "expected KEY=VALUE"),
     ("tensor_parallel_size=6", sr.LayoutError, "does not divide the 64 attention heads"),
-    ("gpu_memory_utilization=1.5", sr.RecipeFileError, "must be in (0, 1]"),
+    ("gpu_memory_utilization=1.5", sr.RecipeFileError, "must be above 0 and at most 1"),
     ("hardware.sm120=nope", sr.RecipeFileError, "unknown GPU 'nope'"),
 ])
 def test_bad_overrides(assignment, error, message):
@@ -468,7 +557,10 @@ def test_launch_mp_cluster_starts_workers_over_ssh_then_the_head(with_nvidia_smi
     code = sr.main([SPARK, "--set", "cluster_backend=mp", "--nodes", ",".join(SPARK8_HOSTS)], run=run)
     assert code == 0
     assert [c[:2] for c in run.calls[:7]] == [["ssh", h] for h in SPARK8_HOSTS[1:]]
-    assert "--node-rank 1" in run.calls[0][2] and run.calls[-1][:2] == ["docker", "run"]
+    assert "--node-rank 1" in run.calls[0][2] and run.calls[7][:2] == ["docker", "run"]
+    # the head's vllm ended: the workers it needs are stopped, the last started first
+    assert run.calls[8:] == [["ssh", h, f"docker stop dsa-{SPARK}-node{i}"] for i, h in reversed(
+        list(enumerate(SPARK8_HOSTS))[1:])]
 
 
 def test_launch_ray_cluster_is_refused_while_the_modes_are_missing(monkeypatch):
@@ -489,6 +581,176 @@ def test_no_driver_is_refused_but_dry_run_needs_none(monkeypatch):
     monkeypatch.setattr(sr.shutil, "which", lambda name: None)
     assert "nvidia-smi not found" in sr.host_gpu_problem("sm120", BUILD)
     assert sr.main(["tiny-glm5", "--dry-run"], run=Recorder()) == 0
+
+
+# -- launching on a real host: real processes, a fake docker / ssh / nvidia-smi ------------------
+#
+# The launcher's own subprocess.run starts them: ssh runs the command it is handed through a real
+# /bin/sh (as a worker's login shell does, with that worker's HOME), docker records its argv.
+
+FAKE_DOCKER = """#!{python}
+import json, os, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_DOCKER_LOG"], "a") as log:
+    log.write(json.dumps({{"node": os.environ.get("FAKE_NODE", "here"), "argv": args}}) + "\\n")
+if args[:1] == ["run"] and "-d" not in args:  # the foreground container: the head's (or solo)
+    sys.exit(int(os.environ.get("FAKE_HEAD_EXIT", "0")))
+"""
+FAKE_SSH = """#!/bin/sh
+FAKE_NODE="$1"; export FAKE_NODE; shift
+HOME="$FAKE_REMOTE_HOME" exec /bin/sh -c "$*"
+"""
+FAKE_NVIDIA_SMI = """#!/bin/sh
+echo "NVIDIA RTX PRO 6000 Blackwell, 12.0"
+"""
+
+
+@pytest.fixture
+def host_tools(tmp_path, monkeypatch) -> SimpleNamespace:
+    """docker, ssh and nvidia-smi stand-ins first on PATH; this host's HOME and the workers' apart."""
+    bin_dir, here, remote = tmp_path / "bin", tmp_path / "home-here", tmp_path / "home-remote"
+    for directory in (bin_dir, here, remote):
+        directory.mkdir()
+    for name, text in (("docker", FAKE_DOCKER.format(python=sys.executable)), ("ssh", FAKE_SSH),
+                       ("nvidia-smi", FAKE_NVIDIA_SMI)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "docker.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("HOME", str(here))
+    monkeypatch.setenv("FAKE_REMOTE_HOME", str(remote))
+    monkeypatch.setenv("FAKE_DOCKER_LOG", str(log))
+
+    def calls() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return SimpleNamespace(here=here, remote=remote, calls=calls, bin=bin_dir)
+
+
+def _volume(argv: list[str]) -> str:
+    return argv[argv.index("-v") + 1]
+
+
+MP_CLUSTER = [SPARK, "--set", "cluster_backend=mp", "--nodes", ",".join(SPARK8_HOSTS)]
+
+
+def test_a_launch_hands_docker_real_paths_and_a_failed_head_stops_the_workers_it_started(host_tools, monkeypatch):
+    """Issue #24 item 12: the head's docker run got the literal `"$HOME/.cache/huggingface":...`
+    (rejected by the engine), and a failed head left the seven workers running."""
+    monkeypatch.setenv("FAKE_HEAD_EXIT", "125")
+    assert sr.main(MP_CLUSTER) == 125
+    calls = host_tools.calls()
+    workers = [f"dsa-{SPARK}-node{i}" for i in range(1, 8)]
+    starts, head, stops = calls[:7], calls[7], calls[8:]
+    assert [(c["node"], c["argv"][:2]) for c in starts] == [(h, ["run", "-d"]) for h in SPARK8_HOSTS[1:]]
+    assert head["node"] == "here" and head["argv"][:2] == ["run", "--rm"]
+    cache = ".cache/huggingface:/home/vllm/.cache/huggingface"
+    assert _volume(head["argv"]) == f"{host_tools.here}/{cache}"  # this host's home, expanded here
+    assert {_volume(c["argv"]) for c in starts} == {f"{host_tools.remote}/{cache}"}  # each worker's own
+    assert [(c["node"], c["argv"]) for c in stops] == [(h, ["stop", n]) for h, n in
+                                                       reversed(list(zip(SPARK8_HOSTS[1:], workers)))]
+
+
+def test_a_worker_that_fails_to_start_stops_the_ones_before_it_and_starts_no_head(host_tools, monkeypatch):
+    fail_third = host_tools.bin / "ssh"
+    fail_third.write_text(FAKE_SSH.replace('FAKE_NODE="$1"', f'[ "$1" = {SPARK8_HOSTS[3]} ] && exit 255\nFAKE_NODE="$1"'))
+    assert sr.main(MP_CLUSTER) == 255
+    calls = host_tools.calls()
+    assert [c["node"] for c in calls] == [*SPARK8_HOSTS[1:3], *reversed(SPARK8_HOSTS[1:3])]
+    assert [c["argv"][0] for c in calls] == ["run", "run", "stop", "stop"]
+
+
+INJECTED = ['~/x";touch {pwned}/hf;"', "eth0;touch {pwned}/ifname", "$(touch {pwned}/env)", "';touch {pwned}/name;'",
+            "`touch {pwned}/extra`"]
+
+
+def test_user_values_reach_docker_verbatim_through_every_shell_and_run_nothing(host_tools, tmp_path, capsys):
+    """Issue #24 item 13: --hf-cache was pasted unquoted into the printed command and the
+    worker's ssh command. Each value below goes through the worker's real shell (ssh) and through
+    a shell running each printed command; none may run anything, each must arrive as it was."""
+    pwned = tmp_path / "pwned"
+    pwned.mkdir()
+    hf, ifname, env, name, extra = (v.format(pwned=pwned) for v in INJECTED)
+    argv = [*MP_CLUSTER, "--hf-cache", hf, "--ifname", ifname, "--set", f"env.NCCL_DEBUG={env}",
+            "--set", f"served_model_name={name}", "--", "--extra", extra]
+    code = sr.main(argv)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("docker ")]
+    pasted = [subprocess.run(["/bin/sh", "-c", line], env={**os.environ, "FAKE_NODE": "pasted"}).returncode
+              for line in printed]  # what a user pastes into a shell on each node
+    assert sorted(p.name for p in pwned.iterdir()) == []
+    assert (code, pasted) == (0, [0] * 8)
+    calls = [c for c in host_tools.calls() if c["argv"][0] == "run"]
+    assert len(calls) == 2 * 8  # the launch's eight containers and the eight printed commands
+    rest = hf[2:] + ":/home/vllm/.cache/huggingface"
+    for call in calls:
+        words = call["argv"]
+        home = host_tools.remote if call["node"] in SPARK8_HOSTS else host_tools.here
+        assert _volume(words) == f"{home}/{rest}", call["node"]
+        for expected in (f"NCCL_SOCKET_IFNAME={ifname}", f"NCCL_DEBUG={env}", name, extra):
+            assert expected in words, (expected, call["node"])
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--hf-cache=hf:/etc", "--hf-cache 'hf:/etc': expected ~/PATH, an absolute path or a Docker volume name"),
+    ("--hf-cache=./cache", "--hf-cache './cache': expected ~/PATH"),
+    ("--image=-v/:/host", "--image '-v/:/host': not an image repository"),
+    ("--nodes=-oProxyCommand=touch x", "--nodes: '-oProxyCommand=touch x' is not a host name or address"),
+])
+def test_launcher_options_docker_or_ssh_would_misread_are_refused(option, message):
+    done = serve("tiny-glm5", "--dry-run", option)
+    assert done.returncode == 2 and done.stderr.startswith(f"serve: {message}"), done.stderr
+    assert done.stderr.count("\n") == 1 and done.stdout == ""
+
+
+def _local_image(candidates: list[str]) -> str | None:
+    for ref in candidates:
+        if ref and subprocess.run(["docker", "image", "inspect", ref], capture_output=True).returncode == 0:
+            return ref
+    return None
+
+
+@pytest.mark.docker
+def test_the_engine_accepts_every_argument_of_the_tiny_recipes_docker_run(docker_client, base_image, tmp_path,
+                                                                           monkeypatch):
+    """The argv `scripts/serve.py tiny-glm5` hands subprocess.run, given to the real engine as
+    `docker create` (nothing starts, no GPU needed) with only the image swapped for one this
+    engine has (the tag the recipe names is built later, or elsewhere): the engine must take
+    every other argument as the launcher wrote it. Issue #24 item 12: it refused the literal
+    "$HOME/..." word."""
+    from conftest import _unavailable
+    from dsa_image.image_build import LOCAL_BASE_IMAGE
+
+    image = _local_image([base_image, load_recipe().base_ref, LOCAL_BASE_IMAGE])
+    if image is None:
+        _unavailable(f"no image to create a container from: none of {base_image}, {LOCAL_BASE_IMAGE} is in this "
+                     "engine (sudo bash scripts/bootstrap_base_image.sh makes the local one)")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(sr, "host_gpu_problem", lambda *a, **k: None)
+    run = Recorder()
+    assert sr.main(["tiny-glm5"], run=run) == 0
+    (argv,) = run.calls
+    recipe_image = image_ref_of(argv)
+    assert argv[:2] == ["docker", "run"]
+    created = ["docker", "create", *argv[2:]]
+    created[created.index(recipe_image)] = image
+    name = argv[argv.index("--name") + 1]
+    if subprocess.run(["docker", "container", "inspect", name], capture_output=True).returncode == 0:
+        _unavailable(f"a container named {name} exists in this engine; remove it (docker rm -f {name}) to run this")
+    done = subprocess.run(created, capture_output=True, text=True, timeout=120)
+    try:
+        assert done.returncode == 0, f"{shlex.join(created)}\n{done.stderr}"
+        info = docker_client.api.inspect_container(done.stdout.strip())
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=60)
+    host = info["HostConfig"]
+    assert host["Binds"] == [f"{tmp_path}/.cache/huggingface:/home/vllm/.cache/huggingface"]
+    assert host["IpcMode"] == "host" and host["AutoRemove"] and host["PortBindings"]["8000/tcp"][0]["HostPort"] == "8000"
+    assert [r["Count"] for r in host["DeviceRequests"]] == [-1]  # --gpus all
+    assert info["Config"]["Cmd"] == argv[argv.index(recipe_image) + 1:]
+    assert "VLLM_USE_B12X_SPARSE_INDEXER=1" in info["Config"]["Env"]
+
+
+def image_ref_of(argv: list[str]) -> str:
+    return next(w for w in argv if w.startswith(f"{sr.IMAGE_REPOSITORY}:"))
 
 
 # -- the image's recipe mode ---------------------------------------------------------------

@@ -332,14 +332,14 @@ def test_every_recipe_flag_and_value_is_one_vllm_serve_of_that_release_takes(ver
 @pytest.mark.parametrize("version", BASES)
 def test_the_flags_the_bench_passes_and_the_warmup_reads_are_that_releases(version):
     """The bench starts each server with serving.start_server's flags and its group's; the
-    warm-up finds the server from --host, --port, --uds, --ssl-certfile and --api-key."""
+    warm-up finds the server from --host, --port, --uds, --ssl-certfile, --api-key and --config."""
     from dsa_image import bench
 
     options = serve_options(version)
     args = bench.parse_args(["run", "--a-site", "a", "--b-site", "b", "--model", "m", "--out", "o"])
     passed = {a for group in bench.GROUPS.values() for a in bench._server_args(args, group) if a.startswith("--")}
     passed |= {"--port", "--served-model-name", "--load-format", "--seed", "--max-model-len"}  # start_server
-    read = {"--host", "--port", "--uds", "--ssl-certfile", "--api-key"}  # warmup.serve_endpoint
+    read = {"--host", "--port", "--uds", "--ssl-certfile", "--api-key", "--config"}  # serve_command.endpoint_of
     assert not (passed | read) - options
     spec_fields = set(re.findall(r"^    (\w+): ", source(version, "vllm/config/speculative.py"), re.M))
     for group in bench.GROUPS.values():

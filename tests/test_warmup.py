@@ -103,6 +103,28 @@ def test_plan_fits_max_model_len_and_adds_a_long_prefill_when_it_allows():
     assert [s.name for s in warmup.plan_steps(8192, prefill=(), concurrency=(4,))] == ["decode-c1-sampled", "decode-c4"]
 
 
+def test_every_planned_request_fits_the_served_max_model_len():
+    """Issue #24 item 16: the decode steps asked for up to 92 + 47 tokens whatever max_model_len
+    was; vLLM cut max_tokens to what was left, the answer came back short and the container
+    stayed unhealthy for good."""
+    for max_model_len in [*range(2, 400), 2052, 2053, 2060, 2065, 3000, 8192, 16384, 20000, 65536]:
+        for step in warmup.plan_steps(max_model_len):
+            for r in step.requests:
+                assert r.prompt_len >= 1 and r.max_tokens >= 1, (max_model_len, step.name)
+                assert r.prompt_len + r.max_tokens <= max_model_len, (max_model_len, step.name, r)
+    assert [s.name for s in warmup.plan_steps(2056)][:3] == ["prefill-2049", "prefill-2050", "prefill-2052"]
+    with pytest.raises(warmup.WarmupError, match="max_model_len 1 leaves no room"):
+        warmup.plan_steps(1)
+
+
+def test_a_server_with_a_short_max_model_len_is_warmed_within_it():
+    state = fakes.FakeOpenAI(max_model_len=100, enforce_max_model_len=True)
+    with fakes.FakeServer(state) as server:
+        report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
+    assert list(report["steps"]) == ["decode-c1-sampled", "decode-c1", "decode-c8", "decode-c32"]
+    assert max(len(r["prompt"]) + r["max_tokens"] for r in state.requests) == 100
+
+
 def test_settings_from_the_environment():
     assert warmup.Settings.from_env({}) == warmup.Settings()
     assert warmup.Settings.from_env({"DSA_IMAGE_WARMUP": "1", "DSA_IMAGE_WARMUP_PREFILL": ""}) == warmup.Settings()
@@ -117,6 +139,9 @@ def test_settings_from_the_environment():
     ("DSA_IMAGE_WARMUP_PREFILL", "3000;5000"), ("DSA_IMAGE_WARMUP_PREFILL", "-1"), ("DSA_IMAGE_WARMUP_PREFILL", ","),
     ("DSA_IMAGE_WARMUP_CONCURRENCY", "0"),
     ("DSA_IMAGE_WARMUP_TIMEOUT_S", "0"), ("DSA_IMAGE_WARMUP_TIMEOUT_S", "nan"), ("DSA_IMAGE_WARMUP_TIMEOUT_S", "1h"),
+    # issue #24 item 17: accepted, then the socket refused the timeout and the warm-up thread died
+    ("DSA_IMAGE_WARMUP_TIMEOUT_S", "inf"), ("DSA_IMAGE_WARMUP_TIMEOUT_S", "1e10"), ("DSA_IMAGE_WARMUP_TIMEOUT_S", "-inf"),
+    ("DSA_IMAGE_WARMUP_TIMEOUT_S", "604801"),
 ])
 def test_settings_refuse_what_they_cannot_read_naming_the_variable_and_what_is_expected(name, value):
     with pytest.raises(ValueError, match=f"^{name}={value!r}: expected"):
@@ -126,7 +151,7 @@ def test_settings_refuse_what_they_cannot_read_naming_the_variable_and_what_is_e
 def test_warm_sends_each_step_with_its_batch_in_flight_together():
     state = fakes.FakeOpenAI(ttft_s=0.5, max_model_len=8192)  # long enough for 32 clients to overlap
     with fakes.FakeServer(state) as server:
-        report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
+        report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
     assert list(report["steps"]) == [s.name for s in warmup.plan_steps(8192)]
     assert report["model"] == "glm-5" and report["max_model_len"] == 8192
     assert state.max_active == 32  # the c=32 batch reached the server at once
@@ -145,7 +170,7 @@ def test_warm_sends_the_api_key():
         get, post = handler.do_GET, handler.do_POST
         handler.do_GET = lambda self: seen.append((self.path, self.headers.get("Authorization"))) or get(self)
         handler.do_POST = lambda self: seen.append((self.path, self.headers.get("Authorization"))) or post(self)
-        warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}", "sekret"),
+        warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}", "sekret"),
                     warmup.Settings(prefill=(), concurrency=(1,)), lambda line: None)
     # /v1/models, /metrics (no spec-decode counters there: no second read), then decode-c1-sampled
     # and decode-c1
@@ -157,7 +182,7 @@ def test_warm_sends_the_api_key():
 def test_warm_fails_on_a_bad_answer(fault, message):
     with fakes.FakeServer(fakes.FakeOpenAI(faults={fault})) as server:
         with pytest.raises(warmup.WarmupError, match=message):
-            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
+            warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
 
 
 def test_a_busy_server_is_sent_the_request_again(monkeypatch):
@@ -168,7 +193,7 @@ def test_a_busy_server_is_sent_the_request_again(monkeypatch):
     state = fakes.FakeOpenAI(busy=5)
     lines = []
     with fakes.FakeServer(state) as server:
-        report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+        report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                              warmup.Settings(prefill=(), concurrency=(4,)), lines.append)
     assert state.refused == 5 and len(state.requests) == 1 + 4  # each request answered once in the end
     assert list(report["steps"]) == ["decode-c1-sampled", "decode-c4"]
@@ -179,7 +204,7 @@ def test_a_server_busy_until_the_budget_ends_fails_saying_so(monkeypatch):
     with fakes.FakeServer(fakes.FakeOpenAI(busy=10**6)) as server:
         with pytest.raises(warmup.WarmupError, match=r"decode-c1-sampled: HTTP 503 \(busy\) \d+ time\(s\) until out "
                                                      r"of time .*currently busy"):
-            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+            warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                         warmup.Settings(prefill=(), concurrency=(1,), timeout_s=0.5), lambda line: None)
 
 
@@ -187,7 +212,7 @@ def test_other_errors_are_not_sent_again():
     state = fakes.FakeOpenAI(faults={"http_500"})
     with fakes.FakeServer(state) as server:
         with pytest.raises(warmup.WarmupError, match="HTTP 500"):
-            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+            warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                         warmup.Settings(prefill=(), concurrency=(1,)), lambda line: None)
     assert len(state.requests) == 1
 
@@ -198,7 +223,7 @@ def test_the_report_says_what_the_mtp_draft_path_did(monkeypatch):
     monkeypatch.setattr(warmup, "SPEC_SETTLE_PAUSE_S", 0.01)
     state, lines = fakes.FakeOpenAI(spec=True), []
     with fakes.FakeServer(state) as server:
-        report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+        report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                              warmup.Settings(prefill=(2500,), concurrency=(2,)), lines.append)
     c = state.counters
     assert report["spec_decode"] == {"drafts": c["drafts"], "draft_tokens": c["draft_tokens"],
@@ -212,7 +237,7 @@ def test_no_drafts_on_an_mtp_server_is_a_warning_and_none_without_mtp(monkeypatc
     for spec, expected in (("idle", {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}), (False, None)):
         lines = []
         with fakes.FakeServer(fakes.FakeOpenAI(spec=spec)) as server:
-            report = warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"),
+            report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                                  warmup.Settings(prefill=(), concurrency=(1,)), lines.append)
         assert report["spec_decode"] == expected
         assert any("WARNING" in line and "no drafts" in line for line in lines) == (spec == "idle")
@@ -240,13 +265,13 @@ def test_spec_counters_of_a_real_vllm_0_33_exposition():
 def test_warm_fails_when_out_of_time():
     with fakes.FakeServer(fakes.FakeOpenAI(ttft_s=0.3)) as server:
         with pytest.raises(warmup.WarmupError, match="out of time"):
-            warmup.warm(warmup.Endpoint(f"http://127.0.0.1:{server.port}"), warmup.Settings(timeout_s=0.5),
+            warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), warmup.Settings(timeout_s=0.5),
                         lambda line: None)
 
 
 def test_wait_healthy_polls_until_200_and_gives_up_when_the_server_is_gone():
     with fakes.FakeServer(fakes.FakeOpenAI(unhealthy_polls=3)) as server:
-        endpoint = warmup.Endpoint(f"http://127.0.0.1:{server.port}")
+        endpoint = warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}")
         assert warmup.wait_healthy(endpoint, lambda: True, time.monotonic() + 10, poll_s=0.01)
         assert not warmup.wait_healthy(endpoint, lambda: False, time.monotonic() + 10)
 
@@ -414,6 +439,129 @@ def test_supervisor_stays_unhealthy_when_the_warmup_fails_and_says_why(tmp_path,
     err = supervisor.stderr.read()
     assert "FAILED: step prefill-2500: HTTP 500" in err and "DSA_IMAGE_WARMUP=0" in err
     assert not marker.exists()  # the supervisor removes it when the server is gone
+
+
+def test_a_supervised_server_with_a_short_max_model_len_becomes_warm(tmp_path):
+    marker = tmp_path / "warm.json"
+    supervisor, _ = start_supervisor(tmp_path, marker, fake={"max_model_len": 64, "enforce_max_model_len": True})
+    try:
+        assert wait_for(marker.exists)
+        doc = json.loads(marker.read_text())
+    finally:
+        kill_all(supervisor)
+    assert "failed" not in doc, doc["failed"]
+    assert list(doc["warmup"]["steps"]) == ["decode-c1-sampled", "decode-c1", "decode-c4"]
+
+
+# A server answering what SCRIPTED_ANSWERS (JSON: path -> {body, delay_s, trickle_s}) says, in a
+# process of its own; body "COMPLETION" is a correct completion, "MODELS" a correct /v1/models.
+SCRIPTED_SERVER = r"""
+import http.server, json, os, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+answers = json.loads(os.environ.get("SCRIPTED_ANSWERS", "{}"))
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+    def answer(self):
+        sent = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        how = {"/v1/models": {"body": "MODELS"}, "/v1/completions": {"body": "COMPLETION"}}.get(self.path, {"body": ""})
+        how = {**how, **answers.get(self.path, {})}
+        body = {"MODELS": json.dumps({"data": [{"id": "m", "max_model_len": 8192}]}),
+                "COMPLETION": json.dumps({"usage": {"completion_tokens": sent.get("max_tokens")}})}.get(how["body"], how["body"])
+        time.sleep(how.get("delay_s", 0))
+        data = body.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        for i in range(len(data)):  # byte by byte when trickling: every read gets something in time
+            time.sleep(how.get("trickle_s", 0))
+            self.wfile.write(data[i:i + 1])
+            self.wfile.flush()
+    do_GET = do_POST = answer
+class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+Server(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def scripted_server_argv(tmp_path: Path, port: int) -> list[str]:
+    script = tmp_path / "scripted_server.py"
+    script.write_text(SCRIPTED_SERVER)
+    return [sys.executable, str(script), "serve", "m", "--port", str(port)]
+
+
+@pytest.mark.parametrize("path, body, reason", [
+    ("/v1/models", "[]", "GET /v1/models: not vLLM's answer"),
+    ("/v1/models", '{"data": []}', "GET /v1/models: not vLLM's answer"),
+    ("/v1/models", '{"data": [{"id": "m", "max_model_len": "8192"}]}', "GET /v1/models: not vLLM's answer"),
+    ("/v1/completions", "[]", "step prefill-3000: not vLLM's answer (no usage.completion_tokens): b'[]'"),
+    ("/v1/completions", '{"usage": null}', "step prefill-3000: not vLLM's answer (no usage.completion_tokens)"),
+    ("/v1/completions", "<html>busy</html>", "step prefill-3000: not vLLM's answer"),
+])
+def test_a_malformed_answer_fails_the_warmup_with_a_marker_saying_why(tmp_path, path, body, reason):
+    """Issue #24 item 17: these answers raised TypeError / IndexError / AttributeError in the
+    warm-up thread, which died without a marker: the health check said "warming up" for good."""
+    marker, port = tmp_path / "warm.json", fakes.free_ports(1)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), "DSA_IMAGE_WARMUP_PREFILL": "3000",
+           "DSA_IMAGE_WARMUP_CONCURRENCY": "1", "SCRIPTED_ANSWERS": json.dumps({path: {"body": body}})}
+    supervisor = subprocess.Popen([sys.executable, "-m", "dsa_image.warmup", "supervise", "--marker", str(marker), "--",
+                                   *scripted_server_argv(tmp_path, port)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(marker.exists, 30), "no marker: the warm-up ended without one"
+        doc = json.loads(marker.read_text())
+        assert supervisor.poll() is None  # the server keeps running, unhealthy
+    finally:
+        kill_all(supervisor)
+    assert doc["failed"].startswith(reason), doc["failed"]
+    assert "FAILED: " + reason in supervisor.stderr.read()
+
+
+def test_a_fault_of_the_warmup_itself_still_leaves_a_marker(tmp_path, monkeypatch):
+    """The last line of defence: whatever raises in the warm-up thread, the marker says what."""
+    marker, port = tmp_path / "warm.json", fakes.free_ports(1)
+    monkeypatch.setattr(warmup, "plan_steps", lambda *a: {}["a bug"])
+    server = subprocess.Popen(scripted_server_argv(tmp_path, port))
+    try:
+        exited = __import__("threading").Event()
+        argv = ["vllm", "serve", "m", "--port", str(port)]
+        assert not warmup.warm_and_mark(server, exited, argv, {}, marker, warmup.Settings(), 30)
+        assert json.loads(marker.read_text())["failed"] == "KeyError: 'a bug'"
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.parametrize("value", ["inf", "1e10"])
+def test_the_supervisor_refuses_a_budget_a_socket_cannot_take_before_starting_the_server(value):
+    done = subprocess.run([sys.executable, "-m", "dsa_image.warmup", "supervise", "--", "sleep", "60"],
+                          env={"PYTHONPATH": str(REPO), "DSA_IMAGE_WARMUP_TIMEOUT_S": value},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and f"DSA_IMAGE_WARMUP_TIMEOUT_S={value!r}: expected" in done.stderr
+    assert "at most 604800" in done.stderr
+
+
+@pytest.mark.parametrize("answers, during", [
+    ({"/v1/completions": {"body": "COMPLETION", "trickle_s": 0.25}}, "step decode-c1-sampled"),
+    ({"/v1/models": {"body": "MODELS", "delay_s": 3}}, "GET /v1/models"),
+])
+def test_the_budget_is_one_deadline_for_the_whole_warmup(tmp_path, answers, during):
+    """Issue #24 item 18: 2 s took 19 s. A socket timeout bounds each read, not a request: a
+    server sending a byte every 0.25 s (or /v1/models, which had 30 s of its own) ran past the
+    budget. Measured: the warm-up ends within its budget and says where it was."""
+    port = fakes.free_ports(1)
+    server = subprocess.Popen(scripted_server_argv(tmp_path, port), env={**os.environ,
+                                                                        "SCRIPTED_ANSWERS": json.dumps(answers)})
+    try:
+        endpoint = warmup.Endpoint.from_url(f"http://127.0.0.1:{port}")
+        assert wait_for(lambda: warmup.is_healthy(endpoint))
+        start = time.monotonic()
+        with pytest.raises(warmup.WarmupError, match=f"out of time \\(1 s, DSA_IMAGE_WARMUP_TIMEOUT_S\\) during {during}"):
+            warmup.warm(endpoint, warmup.Settings(prefill=(), concurrency=(1,), timeout_s=1.0), lambda line: None)
+        elapsed = time.monotonic() - start
+    finally:
+        server.kill()
+        server.wait()
+    assert 1.0 <= elapsed < 2.0, elapsed  # unbounded, it took 9 s (36 bytes at 0.25 s) and 3 s
 
 
 def test_supervisor_refuses_a_setting_it_cannot_read_before_starting_the_server(tmp_path):

@@ -139,7 +139,7 @@ def measure_side(server: dict, step: str, run_warmup: bool, token_ids: list[int]
     """Warm-up (if asked), the first request, then the warm ones; compilations between."""
     result, healthy_at = {}, log_size(server)
     if run_warmup:
-        endpoint = warmup.Endpoint(f"http://127.0.0.1:{server['port']}")
+        endpoint = warmup.Endpoint.from_url(f"http://127.0.0.1:{server['port']}")
         report = warmup.warm(endpoint, warmup.Settings(), lambda line: None)
         result["warmup"] = {"seconds": report["seconds"], "steps": report["steps"]}
     ready_at = log_size(server)
