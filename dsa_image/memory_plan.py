@@ -176,7 +176,7 @@ SCHEMES: dict[str, Scheme] = {
          "https://github.com/0xdfi/glm-5.2-dgx-spark-vllm027 (the W4A16 checkpoint: 379GiB on disk, ~94.75GiB of "
          "weights per rank at TP 4; a test checks this plan against it)"),
         bf16_layers=frozenset({0}),
-        mtp_parts={part: INT8_CHANNEL for part in _LINEAR_PARTS if part != "indexer.wq_b"} | {"mtp.eh_proj": INT8_CHANNEL},
+        mtp_parts={part: INT8_CHANNEL for part in (*_LINEAR_PARTS, "mtp.eh_proj") if part != "indexer.wq_b"},
     ),
 }
 

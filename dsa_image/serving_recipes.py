@@ -33,10 +33,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import memory_plan, workarounds
+from . import memory_plan
 from .memory_plan import GPUS, SCHEMES
 from .recipe import DEFAULT_RECIPE, RECIPES_DIR, Recipe, RecipeError, load_recipe
-from .workarounds import Bug, BugError
+from .workarounds import Bug, BugError, load_bugs
 
 SERVE_DIR_NAME = "serve"
 MODELS_DIR_NAME = "models"
@@ -343,7 +343,7 @@ def _check_link(link: str, where: str) -> None:
 
 def _load_bugs(recipes_dir: Path) -> dict[str, Bug]:
     try:
-        return workarounds.load_bugs(recipes_dir)
+        return load_bugs(recipes_dir)
     except BugError as exc:
         raise RecipeFileError(str(exc)) from exc
 
@@ -587,7 +587,7 @@ class Launch:
     nodes: tuple[Node, ...]
     plan: memory_plan.Plan
     notes: tuple[str, ...]
-    build: Recipe | None = None  # the base the launch is planned on
+    build: Recipe  # the base it is planned on
 
 
 class Shell(str):
@@ -790,7 +790,7 @@ def bug_usage_problems(recipes_dir: Path, build: Recipe) -> list[str]:
             continue
         entries = [(f"env.{e.name}", e.bugs) for e in recipe.env]
         entries += [(f"workarounds.{w.setting}", w.bugs) for w in recipe.workarounds]
-        entries += [(f"limitations {b}", (b,)) for b in recipe.limitations]
+        entries += [("limitations", (b,)) for b in recipe.limitations]
         for what, bug_ids in entries:
             if not any(recipe.bugs[b].present(v, t) for b in bug_ids for v in build.vllm_versions
                        for t in recipe.targets):

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from .recipe import RECIPES_DIR, Recipe
+
 BUGS_DIR_NAME = "bugs"
 VERDICTS = ("present", "fixed", "absent")
 _TOP = {"schema", "id", "title", "link", "fix", "package", "fixed_in", "targets", "source", "bases"}
@@ -145,10 +147,14 @@ def load_bug(path: Path) -> Bug:
     targets = raw.get("targets", [])
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise BugError(f"{where}.targets: expected a list of image targets, found {targets!r}")
+    source = _load_source(raw.get("source"), f"{where}: source")
+    bases = _load_bases(raw.get("bases"), f"{where}: bases")
+    if source is None and (not fixed_in or any(d.verdict == "absent" for d in bases.values())):
+        raise BugError(f"{where}: without a [source] only fixed_in is evidence: it needs fixed_in, and no verdict "
+                       "can be \"absent\"")
     return Bug(path.stem, path, _str(raw, "title", where), _https(_str(raw, "link", where), f"{where}.link"),
                _https(_str(raw, "fix", where), f"{where}.fix", empty_ok=True), _str(raw, "package", where), fixed_in,
-               tuple(targets), _load_source(raw.get("source"), f"{where}: source"),
-               _load_bases(raw.get("bases"), f"{where}: bases"))
+               tuple(targets), source, bases)
 
 
 def _load_source(table: Any, where: str) -> Source | None:
@@ -191,7 +197,10 @@ def version_key(version: str, where: str = "version") -> tuple:
     numbers = [int(n) for n in release.split(".")]
     while len(numbers) > 1 and numbers[-1] == 0:
         numbers.pop()
-    pre_key = ({"a": 0, "b": 1, "rc": 2}[pre], int(pre_n)) if pre else (3, 0)
+    if pre:
+        pre_key = ({"a": 0, "b": 1, "rc": 2}[pre], int(pre_n))
+    else:  # X.devN sorts before X's pre-releases, X and X.postN after them
+        pre_key = (-1, 0) if dev is not None and post is None else (3, 0)
     dev_key = (0, int(dev)) if dev is not None else (1, 0)
     return tuple(numbers), pre_key, int(post) if post is not None else -1, dev_key
 
@@ -287,7 +296,7 @@ def source_problem(bug: Bug, base: str, members: Iterable[tuple[str, str]], arte
 # -- the check of one base -----------------------------------------------------------------
 
 
-def pinned(build: Any, package: str) -> tuple[str, frozenset[str]]:
+def pinned(build: Recipe, package: str) -> tuple[str, frozenset[str]]:
     """(version, sha256s) of `package` in the locks of `build`'s base; one version across them."""
     from . import lock  # noqa: PLC0415 - the lock module is for the check, not the runner
 
@@ -312,7 +321,7 @@ def _wheel_preference(filename: str) -> tuple[int, str]:
     return (0 if filename.endswith("-none-any.whl") else 1 if "x86_64" in filename else 2), filename
 
 
-def pinned_wheel(build: Any, package: str) -> Path:
+def pinned_wheel(build: Recipe, package: str) -> Path:
     """The wheel of `package` the base's locks pin (a file of the index with a locked sha256),
     downloaded once into the cache and verified on every use."""
     from . import wheels  # noqa: PLC0415
@@ -322,21 +331,22 @@ def pinned_wheel(build: Any, package: str) -> Path:
                    key=lambda f: _wheel_preference(f.filename))
     if not files:
         raise BugError(f"{package}=={version}: no wheel of the index has a sha256 the locks of vLLM "
-                       f"{build.vllm_version} carry; re-run `python3 scripts/recipe.py lock --vllm {build.vllm_version}`")
+                       f"{build.vllm_version} carry; re-run `python3 scripts/recipe.py lock --vllm "
+                       f"{build.vllm_version}`")
     return wheels.ensure_wheel(files[0].filename, files[0].sha256)
 
 
-def base_problems(bugs: Mapping[str, Bug], build: Any, online: bool,
-                  wheel_for: Callable[[Any, str], Path] = pinned_wheel) -> list[str]:
+def base_problems(bugs: Mapping[str, Bug], build: Recipe, online: bool,
+                  wheel_for: Callable[[Recipe, str], Path] = pinned_wheel) -> list[str]:
     """Every bug's decision for `build`'s base against that base's locks (and, online, against
     the source of the pinned wheels)."""
     base, problems = build.vllm_version, []
-    wheels: dict[str, Path] = {}  # one download and hash per package
+    fetched: dict[str, Path] = {}  # one download and hash per package
 
     def members(bug: Bug) -> tuple[Iterable[tuple[str, str]], str]:
-        if bug.package not in wheels:
-            wheels[bug.package] = wheel_for(build, bug.package)
-        return wheel_members(wheels[bug.package], bug.source.files), wheels[bug.package].name
+        if bug.package not in fetched:
+            fetched[bug.package] = wheel_for(build, bug.package)
+        return wheel_members(fetched[bug.package], bug.source.files), fetched[bug.package].name
 
     for bug in bugs.values():
         stale = sorted(set(bug.bases) - set(build.vllm_versions))
@@ -360,8 +370,8 @@ def base_problems(bugs: Mapping[str, Bug], build: Any, online: bool,
     return problems
 
 
-def check(build: Any, recipes_dir: Path, online: bool = False,
-          wheel_for: Callable[[Any, str], Path] = pinned_wheel) -> list[str]:
+def check(build: Recipe, recipes_dir: Path = RECIPES_DIR, online: bool = False,
+          wheel_for: Callable[[Recipe, str], Path] = pinned_wheel) -> list[str]:
     """`scripts/recipe.py check`'s part: the bug files against `build`'s base, and the serving
     recipes' use of them (a workaround or limitation that holds on no base)."""
     from .serving_recipes import bug_usage_problems  # noqa: PLC0415 - serving_recipes imports this module
@@ -383,13 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     import argparse  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    from .recipe import RECIPES_DIR  # noqa: PLC0415
-
     parser = argparse.ArgumentParser(prog="python3 -m dsa_image.workarounds", description=main.__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    verdict = commands.add_parser("verdict", help="a bug's source verdict for each wheel given")
-    verdict.add_argument("bug", help="a file of recipes/bugs/ (its id)")
-    verdict.add_argument("wheels", nargs="+", type=Path)
+    reading = commands.add_parser("verdict", help="a bug's source verdict for each wheel given")
+    reading.add_argument("bug", help="a file of recipes/bugs/ (its id)")
+    reading.add_argument("wheels", nargs="+", type=Path)
     args = parser.parse_args(argv)
     try:
         bug = load_bugs(RECIPES_DIR).get(args.bug)

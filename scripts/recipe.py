@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsa_image import bake, lock, wheels, workarounds  # noqa: E402
 from dsa_image.manifest import ManifestError  # noqa: E402
-from dsa_image.recipe import DEFAULT_RECIPE, RECIPES_DIR, REPO_ROOT, RecipeError, format_value, load_recipe  # noqa: E402
+from dsa_image.recipe import DEFAULT_RECIPE, REPO_ROOT, RecipeError, format_value, load_recipe  # noqa: E402
 from dsa_image.registry import RegistryError  # noqa: E402
 
 OK, DRIFT, BAD_INPUT, LOCK_FAILED = 0, 1, 2, 3
@@ -79,7 +79,7 @@ def cmd_check(args) -> int:
     problems += lock.lock_problems(recipe)
     if args.online:
         problems += lock.online_problems(recipe)
-    problems += workarounds.check(recipe, RECIPES_DIR, online=args.online)
+    problems += workarounds.check(recipe, online=args.online)
     for problem in problems:
         say(problem)
     if not problems:

@@ -413,6 +413,73 @@ def test_bad_overrides(assignment, error, message):
         load(SPARK, [assignment])
 
 
+# -- workarounds per base -------------------------------------------------------------------
+
+OLD = load_recipe(vllm="0.24.0")
+# A recipe with a [vllm] setting that works around flashinfer-3610 (present on 0.24.0 only).
+CAPPED = (lambda t: t.replace("max_num_seqs = 4", "max_num_seqs = 4\nmax_num_batched_tokens = 64")
+          + '[workarounds.max_num_batched_tokens]\nreason = "r"\nlink = "https://x"\nbugs = ["flashinfer-3610"]\n')
+RTX8 = "glm-5.2-nvfp4-8xrtxpro6000"
+
+
+def test_a_workaround_applies_only_on_a_base_that_has_its_bug(tmp_path):
+    root = copy_recipes(tmp_path, RTX8, CAPPED)
+    for build, applied in ((BUILD, False), (OLD, True)):
+        recipe = sr.load_serve_recipe(RTX8, root, build)
+        args = sr.vllm_args(recipe, "sm120", build)
+        assert ("--max-num-batched-tokens" in args) is applied, build.vllm_version
+        assert ("VLLM_USE_FLASHINFER_SAMPLER" in sr.environment(recipe, "sm120", build)) is applied
+        assert sr.unapplied_settings(recipe, "sm120", build) == (set() if applied else {"max_num_batched_tokens"})
+
+
+def test_setting_a_workarounds_value_makes_it_the_users_on_every_base(tmp_path):
+    root = copy_recipes(tmp_path, RTX8, CAPPED)
+    recipe = sr.apply_overrides(sr.load_serve_recipe(RTX8, root, BUILD), ["max_num_batched_tokens=64",
+                                                                          "env.VLLM_USE_FLASHINFER_SAMPLER=0"], BUILD)
+    args = sr.vllm_args(recipe, "sm120", BUILD)
+    assert args[args.index("--max-num-batched-tokens") + 1] == "64"
+    assert sr.environment(recipe, "sm120", BUILD)["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert recipe.workarounds == ()
+
+
+def test_the_plan_prints_per_base_which_workarounds_apply_and_why(tmp_path):
+    root = copy_recipes(tmp_path, RTX8, CAPPED)
+    launch = sr.plan_launch(sr.load_serve_recipe(RTX8, root, BUILD), "sm120", BUILD, hosts=None, solo=True)
+    text = sr.describe(launch)
+    block = text[text.index("workarounds, per vLLM base"):text.index("blockers")]
+    assert "  max_num_batched_tokens=64: r\n    vLLM 0.33.0 (this plan): not applied: flashinfer-3610 fixed" in block
+    assert "    vLLM 0.24.0: applied: flashinfer-3610 present: flashinfer-python 0.6.12, fixed in 0.6.14" in block
+    assert "  env VLLM_USE_FLASHINFER_SAMPLER=0: " in block
+    w4a16 = sr.describe(sr.plan_launch(load("glm-5.2-w4a16-4xspark"), "sm120", BUILD, hosts=None, solo=False))
+    assert ("limitations (what shaped this recipe):\n  vllm-sm120-sparse-mla-lse: " in w4a16
+            and "    vLLM 0.33.0 (this plan): vllm-sm120-sparse-mla-lse present: vllm 0.33.0; its source has the bug"
+            in w4a16)
+
+
+def test_a_blocker_refuses_its_base_and_target_only():
+    for name in ALL:
+        recipe = load(name)
+        for target in recipe.targets:
+            blocked = sr.blocking(sr.load_serve_recipe(name, build=OLD), target, OLD)
+            assert [b.id for b in blocked] == (["vllm-sm120-flashinfer-sparse-mla-api"] if target == "sm120" else [])
+            assert sr.blocking(recipe, target, BUILD) == []
+    with pytest.raises(sr.TargetError, match="cannot run on the vLLM 0.24.0 sm120 image.*Use --vllm 0.33.0"):
+        sr.plan_launch(sr.load_serve_recipe("tiny-glm5", build=OLD), "sm120", OLD, hosts=None, solo=True)
+    sr.plan_launch(sr.load_serve_recipe("tiny-glm5", build=OLD), "sm90", OLD, hosts=None, solo=True)
+
+
+def test_a_workaround_whose_bugs_no_base_has_is_expired(tmp_path):
+    root = copy_recipes(tmp_path, SPARK, lambda t: t.replace('bugs = ["flashinfer-3610"]',
+                                                             'bugs = ["flashinfer-3700"]'))
+    problems = sr.bug_usage_problems(root, BUILD)
+    assert len(problems) == 1
+    assert "env.VLLM_USE_FLASHINFER_SAMPLER: flashinfer-3700 present on no vLLM base" in problems[0]
+    gone = root / "bugs" / "vllm-sm120-sparse-mla-lse.toml"
+    gone.write_text(gone.read_text().replace('verdict = "present"', 'verdict = "fixed"'))
+    assert any("limitations: vllm-sm120-sparse-mla-lse present on no vLLM base" in p
+               for p in sr.bug_usage_problems(root, BUILD))
+
+
 # -- dry runs and refusals from the command line --------------------------------------------
 
 
@@ -642,7 +709,7 @@ def test_scaled_down_layout_uses_the_gpus_given():
 # -- code shape ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["serving_recipes.py", "memory_plan.py"])
+@pytest.mark.parametrize("module", ["serving_recipes.py", "memory_plan.py", "workarounds.py"])
 def test_runner_modules_are_stdlib_only(module):
     tree = ast.parse((REPO / "dsa_image" / module).read_text())
     imported = set()
