@@ -186,6 +186,7 @@ COPY recipes/${RECIPE}.toml ${DSA_IMAGE_TOOL}/recipes/
 # The serving recipes and their model facts: `docker run IMAGE recipe ...` reads them.
 COPY recipes/serve/ ${DSA_IMAGE_TOOL}/recipes/serve/
 COPY recipes/models/ ${DSA_IMAGE_TOOL}/recipes/models/
+COPY recipes/bugs/ ${DSA_IMAGE_TOOL}/recipes/bugs/
 # This base's overlay only: an edit of another base's leaves this stage cached.
 COPY overlay/vllm-${VLLM_VERSION}/ ${DSA_IMAGE_TOOL}/overlay/vllm-${VLLM_VERSION}/
 # RECEIPT_SHA256 is the receipt predicted from the base's manifest (docker-bake.json); the

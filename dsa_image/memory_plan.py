@@ -100,6 +100,20 @@ class Scheme:
     # quantised parts of the MTP layer too (False: the MTP layer is all bf16)
     mtp_quantised: bool
     sources: tuple[str, ...]
+    # backbone layers stored all bf16 whatever `quantised` says (a checkpoint's ignore list)
+    bf16_layers: frozenset[int] = frozenset()
+    # the MTP layer's own part -> bytes per parameter, when it is quantised differently from the
+    # backbone (None: `quantised` when mtp_quantised)
+    mtp_parts: Mapping[str, float] | None = None
+
+    def part_bytes(self, part: str, in_mtp: bool, layer: int | None = None) -> float:
+        """Bytes per parameter of `part` in backbone layer `layer` (None: not a layer's part)
+        or in the MTP layer."""
+        if in_mtp:
+            if self.mtp_parts is not None:
+                return self.mtp_parts.get(part, BF16)
+            return self.quantised.get(part, BF16) if self.mtp_quantised else BF16
+        return BF16 if layer in self.bf16_layers else self.quantised.get(part, BF16)
 
 
 BF16 = 2.0
@@ -109,6 +123,13 @@ FP8_BLOCK = 1.0 + 4.0 / (128 * 128)
 # NVFP4: 4-bit E2M1 values, one FP8 E4M3 scale per 16 values (the per-tensor fp32 global scale
 # is left out: 4 bytes per tensor).
 NVFP4 = 0.5 + 1.0 / 16
+# compressed-tensors INT4 / INT8 weights, symmetric (no zero points), one bf16 scale per group of
+# 128 values (pack-quantized: eight INT4 values per int32).
+INT4_G128 = 0.5 + 2.0 / 128
+INT8_G128 = 1.0 + 2.0 / 128
+# INT8 with one bf16 scale per output channel: the scale (2 B per row of thousands of values) is
+# left out.
+INT8_CHANNEL = 1.0
 
 _LINEAR_PARTS = ("attn.q_a", "attn.kv_a", "attn.q_b", "attn.kv_b", "attn.o", "indexer.wq_b",
                  "mlp.dense", "mlp.routed_experts", "mlp.shared_experts")
@@ -136,6 +157,27 @@ SCHEMES: dict[str, Scheme] = {
          "expert BF16; loads to 433 GB total, 56 GB per GPU at TP 8)",
          "https://github.com/eugr/spark-vllm-docker/blob/main/recipes/glm-5.2-nvfp4.yaml (NVFP4 experts + "
          "BF16 attention/shared experts, ~465GB of weights)")),
+    # QuantTrio/GLM-5.2-Int4-Int8Mix, the W4A16 checkpoint 4-Spark clusters serve.
+    "w4a16-int4-int8mix": Scheme(
+        "w4a16-int4-int8mix",
+        "compressed-tensors W4A16/W8A16: routed experts INT4 (group 128); attention, dense MLP and shared "
+        "experts INT8 (group 128), in layers 1-77; layer 0 bf16; the MTP layer INT8 per channel, its experts "
+        "too; router, indexer, norms, embeddings and lm_head bf16",
+        {"mlp.routed_experts": INT4_G128,
+         **{part: INT8_G128 for part in ("attn.q_a", "attn.kv_a", "attn.q_b", "attn.kv_b", "attn.o", "mlp.dense",
+                                          "mlp.shared_experts")}},
+        True,
+        ("https://huggingface.co/festr2/GLM-5.2-Int8Mix-NVFP4 (QuantTrio/GLM-5.2-Int4-Int8Mix's layout: layer 0 "
+         "BF16; dense attention, ordinary linears and shared experts of layers 1-77 W8A16 INT8, symmetric, group "
+         "size 128; routed experts INT4 group size 128; the layer-78 MTP block W8A16 INT8 channel-wise; "
+         "mlp.gate, the attention indexer, norms, embeddings and heads BF16)",
+         "https://github.com/joesinvestments/GLM-5.2-QuantTrio-TP4-DCP2-4x-DGX-Spark (405GB of weights; this "
+         "scheme computes 378.3 GiB = 406.2 GB, a test checks it)",
+         "https://github.com/0xdfi/glm-5.2-dgx-spark-vllm027 (the W4A16 checkpoint: 379GiB on disk, ~94.75GiB of "
+         "weights per rank at TP 4; a test checks this plan against it)"),
+        bf16_layers=frozenset({0}),
+        mtp_parts={part: INT8_CHANNEL for part in (*_LINEAR_PARTS, "mtp.eh_proj") if part != "indexer.wq_b"},
+    ),
 }
 
 # -- the model's parts ---------------------------------------------------------------------
@@ -211,12 +253,6 @@ def active_parameter_count(cfg: Mapping[str, Any]) -> int:
     return total + cfg["hidden_size"] * cfg["vocab_size"]  # lm_head
 
 
-def _bytes(scheme: Scheme, part: str, params: int, in_mtp: bool) -> float:
-    if in_mtp and not scheme.mtp_quantised:
-        return params * BF16
-    return params * scheme.quantised.get(part, BF16)
-
-
 def checkpoint_bytes(cfg: Mapping[str, Any], scheme: Scheme, with_mtp: bool) -> float:
     """Bytes of all weights as vLLM holds them on one GPU (tensor parallel 1)."""
     return sum(s.bytes_per_gpu for s in stage_weights(cfg, scheme, tp=1, pp=1, mtp=with_mtp))
@@ -244,23 +280,23 @@ def stage_weights(cfg: Mapping[str, Any], scheme: Scheme, tp: int, pp: int, mtp:
     for stage in range(pp):
         breakdown: dict[str, float] = {}
 
-        def add(part: str, params: int, in_mtp: bool = False) -> None:
-            size = _bytes(scheme, part, params, in_mtp) / (tp if PART_SHARDED[part] else 1)
+        def add(part: str, params: int, in_mtp: bool = False, layer: int | None = None) -> None:
+            size = params * scheme.part_bytes(part, in_mtp, layer) / (tp if PART_SHARDED[part] else 1)
             key = f"mtp.{part}" if in_mtp and not part.startswith("mtp.") else part
             breakdown[key] = breakdown.get(key, 0.0) + size
 
-        def add_layer(parts: dict[str, int], in_mtp: bool) -> None:
+        def add_layer(parts: dict[str, int], in_mtp: bool, layer: int | None = None) -> None:
             for part, params in parts.items():
-                add(part, params, in_mtp)
+                add(part, params, in_mtp, layer)
             # vLLM keeps bf16 copies of kv_b_proj (W_UK, W_UV) when it is stored quantised
             # (mla_attention.py process_weights_after_loading); a bf16 kv_b is only viewed.
-            if not (in_mtp and not scheme.mtp_quantised) and "attn.kv_b" in scheme.quantised:
+            if scheme.part_bytes("attn.kv_b", in_mtp, layer) != BF16:
                 key = "mtp.attn.kv_b_bf16_copy" if in_mtp else "attn.kv_b_bf16_copy"
                 breakdown[key] = breakdown.get(key, 0.0) + parts["attn.kv_b"] * BF16 / tp
 
         layers = pp_layers(cfg["num_hidden_layers"], pp, stage)
         for i in layers:
-            add_layer(layer_parts(cfg, is_moe_layer(cfg, i)), False)
+            add_layer(layer_parts(cfg, is_moe_layer(cfg, i)), False, i)
         vocab = cfg["vocab_size"] * cfg["hidden_size"]
         if stage == 0:
             add("embed", vocab)

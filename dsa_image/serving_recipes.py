@@ -10,6 +10,11 @@ word shell-quoted) and launches solo or across nodes, all or nothing (execute). 
 checked when loaded, its values by their schema entries (Setting); a layout that cannot work
 is refused with the reason and, for memory, the numbers.
 
+Workarounds expire with their bugs: each `[env.NAME]` / `[workarounds.SETTING]` entry names the
+bugs it works around (recipes/bugs/, dsa_image/workarounds.py) and is applied on a vLLM base only
+where the recorded evidence says one of them is present; a recipe's `blockers` refuse it on a
+base that has one.
+
 Exit codes: 0 ok; 2 usage or a bad recipe / override; 4 layout refused (does not fit, TP does
 not divide the heads, PP does not divide the layers, cluster-only on one node, a node count
 that does not match); 5 the image target does not match the GPU (or a GPU host is needed and
@@ -34,6 +39,7 @@ from typing import Any, Callable, Mapping
 from . import memory_plan
 from .memory_plan import GPUS, SCHEMES
 from .recipe import DEFAULT_RECIPE, RECIPES_DIR, Recipe, RecipeError, load_recipe
+from .workarounds import Bug, BugError, load_bugs
 
 SERVE_DIR_NAME = "serve"
 MODELS_DIR_NAME = "models"
@@ -126,7 +132,7 @@ REQUIRED_LAYOUT = ("nodes", "gpus_per_node", "tensor_parallel_size", "pipeline_p
 REQUIRED_VLLM = ("served_model_name", "max_model_len", "port")
 TOP_LEVEL = {"schema": int, "description": str, "model": str, "hf_id": str, "quantization": str,
              "cluster_only": bool, "hardware": dict, "layout": dict, "vllm": dict, "env": dict,
-             "workarounds": dict}
+             "workarounds": dict, "limitations": list, "blockers": list}
 REQUIRED_TOP = ("schema", "description", "model", "hf_id", "quantization", "cluster_only", "hardware",
                 "layout", "vllm")
 CLUSTER_BACKENDS = ("mp", "ray")
@@ -143,6 +149,7 @@ class EnvVar:
     value: str
     reason: str
     link: str  # "" only for a variable set with --set
+    bugs: tuple[str, ...] = ()  # () only for a variable set with --set: applied on every base
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,7 @@ class Workaround:
     setting: str
     reason: str
     link: str
+    bugs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,9 @@ class ServeRecipe:
     vllm: dict[str, Any]
     env: tuple[EnvVar, ...]
     workarounds: tuple[Workaround, ...]
+    limitations: tuple[str, ...] = ()  # bugs that shaped the recipe (recipes/bugs/)
+    blockers: tuple[str, ...] = ()  # bugs that keep it off a base that has one
+    bugs: Mapping[str, Bug] = field(default_factory=dict)  # recipes/bugs/, by id
 
     @property
     def targets(self) -> tuple[str, ...]:
@@ -313,27 +324,33 @@ def parse_serve_recipe(name: str, path: Path, raw: dict[str, Any], recipes_dir: 
         if missing:
             raise RecipeFileError(f"{where}: {table}.{missing[0]} missing")
 
+    bugs = _load_bugs(recipes_dir)
     env = []
     for var, entry in raw.get("env", {}).items():
         at = f"{where}: env.{var}"
-        if not isinstance(entry, dict) or set(entry) != {"value", "reason", "link"}:
-            raise RecipeFileError(f"{at}: needs exactly value, reason and link")
+        if not isinstance(entry, dict) or set(entry) != {"value", "reason", "link", "bugs"}:
+            raise RecipeFileError(f"{at}: needs exactly value, reason, link and bugs (the recipes/bugs/ it works "
+                                  "around)")
         for key in ("value", "reason", "link"):
             _typed(entry[key], str, f"{at}.{key}")
         _check_link(entry["link"], at)
-        env.append(EnvVar(var, entry["value"], entry["reason"], entry["link"]))
+        env.append(EnvVar(var, entry["value"], entry["reason"], entry["link"], _bug_ids(entry["bugs"], bugs, at)))
     workarounds = []
     for setting, entry in raw.get("workarounds", {}).items():
         at = f"{where}: workarounds.{setting}"
         if setting not in vllm:
             raise RecipeFileError(f"{at}: the recipe sets no vllm.{setting}")
-        if not isinstance(entry, dict) or set(entry) != {"reason", "link"}:
-            raise RecipeFileError(f"{at}: needs exactly reason and link")
+        if not isinstance(entry, dict) or set(entry) != {"reason", "link", "bugs"}:
+            raise RecipeFileError(f"{at}: needs exactly reason, link and bugs (the recipes/bugs/ it works around)")
         _check_link(_typed(entry["link"], str, f"{at}.link"), at)
-        workarounds.append(Workaround(setting, _typed(entry["reason"], str, f"{at}.reason"), entry["link"]))
+        workarounds.append(Workaround(setting, _typed(entry["reason"], str, f"{at}.reason"), entry["link"],
+                                      _bug_ids(entry["bugs"], bugs, at)))
+    limitations = _bug_ids(raw.get("limitations", []), bugs, f"{where}: limitations", empty_ok=True)
+    blockers = _bug_ids(raw.get("blockers", []), bugs, f"{where}: blockers", empty_ok=True)
 
     recipe = ServeRecipe(name, path, raw["description"], model, raw["hf_id"], raw["quantization"],
-                         raw["cluster_only"], hardware, layout, vllm, tuple(env), tuple(workarounds))
+                         raw["cluster_only"], hardware, layout, vllm, tuple(env), tuple(workarounds),
+                         limitations, blockers, bugs)
     check_recipe(recipe, build)
     return recipe
 
@@ -355,6 +372,35 @@ def settings_table(table: str, values: Mapping[str, Any], schema: Mapping[str, S
 def _check_link(link: str, where: str) -> None:
     if not link.startswith("https://"):
         raise RecipeFileError(f"{where}: link must be an https:// URL, found {link!r}")
+
+
+def _load_bugs(recipes_dir: Path) -> dict[str, Bug]:
+    try:
+        return load_bugs(recipes_dir)
+    except BugError as exc:
+        raise RecipeFileError(str(exc)) from exc
+
+
+def _bug_ids(value: Any, bugs: Mapping[str, Bug], where: str, empty_ok: bool = False) -> tuple[str, ...]:
+    """A list of bug ids, each a file of recipes/bugs/."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or not (value or empty_ok):
+        raise RecipeFileError(f"{where}: expected a list of bug ids (files of recipes/bugs/), found {value!r}")
+    unknown = [v for v in value if v not in bugs]
+    if unknown:
+        raise RecipeFileError(f"{where}: unknown bugs {', '.join(unknown)}; recipes/bugs/ has "
+                              f"{', '.join(bugs) or '(none)'}")
+    return tuple(value)
+
+
+def applies(recipe: ServeRecipe, bug_ids: tuple[str, ...], base: str, target: str) -> bool:
+    """Whether a workaround of `bug_ids` is applied on vLLM `base`'s `target` image: one of them
+    is present there (an entry without bugs, set with --set, always is)."""
+    return not bug_ids or any(recipe.bugs[b].present(base, target) for b in bug_ids)
+
+
+def blocking(recipe: ServeRecipe, target: str, build: Recipe) -> list[Bug]:
+    """The recipe's blockers present on `build`'s base for `target`."""
+    return [recipe.bugs[b] for b in recipe.blockers if recipe.bugs[b].present(build.vllm_version, target)]
 
 
 def check_recipe(recipe: ServeRecipe, build: Recipe) -> None:
@@ -484,6 +530,7 @@ def apply_overrides(recipe: ServeRecipe, assignments: list[str], build: Recipe) 
     hf_overrides.NAME, env.NAME, or hardware.TARGET (a GPU id). `KEY=` unsets a [vllm] setting."""
     vllm, layout, hardware = dict(recipe.vllm), dict(recipe.layout), dict(recipe.hardware)
     env = {e.name: e for e in recipe.env}
+    fixes = {w.setting: w for w in recipe.workarounds}
     hf_id = recipe.hf_id
     for assignment in assignments:
         key, sep, text = assignment.partition("=")
@@ -496,6 +543,7 @@ def apply_overrides(recipe: ServeRecipe, assignments: list[str], build: Recipe) 
             else:
                 vllm.update(settings_table("vllm", {key: parse_value(text, VLLM_SETTINGS[key].kind, where)},
                                            VLLM_SETTINGS, where))
+            fixes.pop(key, None)  # the user's value now, on every base
         elif key in LAYOUT_SETTINGS:
             layout.update(settings_table("layout", {key: parse_value(text, LAYOUT_SETTINGS[key].kind, where)},
                                          LAYOUT_SETTINGS, where))
@@ -512,7 +560,8 @@ def apply_overrides(recipe: ServeRecipe, assignments: list[str], build: Recipe) 
             known = [*(k for k, s in VLLM_SETTINGS.items() if s.kind is not dict), *LAYOUT_SETTINGS, "hf_id",
                      "hf_overrides.NAME", "env.NAME", "hardware.TARGET"]
             raise RecipeFileError(f"{where}: unknown key {key!r}; known: {', '.join(known)}")
-    changed = replace(recipe, vllm=vllm, layout=layout, hardware=hardware, env=tuple(env.values()), hf_id=hf_id)
+    changed = replace(recipe, vllm=vllm, layout=layout, hardware=hardware, env=tuple(env.values()), hf_id=hf_id,
+                      workarounds=tuple(fixes.values()))
     check_recipe(changed, build)
     return changed
 
@@ -534,7 +583,7 @@ def vllm_args(recipe: ServeRecipe, target: str, build: Recipe, extra: list[str] 
     """`vllm serve` arguments (without `vllm serve`) common to every node."""
     vllm = recipe.vllm
     args = [recipe.hf_id]
-    settings = dict(vllm)
+    settings = {k: v for k, v in vllm.items() if k not in unapplied_settings(recipe, target, build)}
     settings.setdefault("kv_cache_dtype", kv_cache_dtype(recipe, target, build))
     settings.setdefault("attention_backend", attention_backend(recipe, target, build))
     if recipe.tp > 1:
@@ -561,9 +610,16 @@ def vllm_args(recipe: ServeRecipe, target: str, build: Recipe, extra: list[str] 
     return [*args, *extra]
 
 
+def unapplied_settings(recipe: ServeRecipe, target: str, build: Recipe) -> set[str]:
+    """The [vllm] settings of workarounds whose bugs `build`'s base does not have: left to vLLM."""
+    return {w.setting for w in recipe.workarounds if not applies(recipe, w.bugs, build.vllm_version, target)}
+
+
 def environment(recipe: ServeRecipe, target: str, build: Recipe) -> dict[str, str]:
-    """The recipe's variables on top of the image target's (recipes/glm5-dsa.toml [targets.*].env)."""
-    return {**build.target(target).env, **{e.name: e.value for e in recipe.env}}
+    """The recipe's variables on top of the image target's (recipes/glm5-dsa.toml [targets.*].env),
+    less those working around bugs `build`'s base does not have."""
+    return {**build.target(target).env,
+            **{e.name: e.value for e in recipe.env if applies(recipe, e.bugs, build.vllm_version, target)}}
 
 
 @dataclass(frozen=True)
@@ -587,6 +643,7 @@ class Launch:
     nodes: tuple[Node, ...]
     plan: memory_plan.Plan
     notes: tuple[str, ...]
+    build: Recipe  # the base it is planned on
 
 
 class HomePath(str):
@@ -656,6 +713,13 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
         raise TargetError(f"recipe {recipe.name} runs on the {', '.join(recipe.targets)} image(s), not {target} "
                           f"(its GPUs: {', '.join(GPUS[g].name for g in recipe.hardware.values())})")
     check_backend(recipe, target, build)
+    blocked = blocking(recipe, target, build)
+    if blocked:
+        others = [v for v in build.vllm_versions if not any(b.present(v, target) for b in blocked)]
+        raise TargetError(f"recipe {recipe.name} cannot run on the vLLM {build.vllm_version} {target} image: "
+                          + "; ".join(f"{b.id}: {b.title} ({b.why(build.vllm_version)}; {_rel(b.path)})"
+                                      for b in blocked)
+                          + (f". Use --vllm {others[0]}" if others else ""))
     nodes_wanted = recipe.nodes
     if solo and recipe.cluster_only:
         raise LayoutError(f"recipe {recipe.name} is cluster-only: it needs {nodes_wanted} nodes "
@@ -686,7 +750,7 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
         docker = ["docker", "run", "--rm", "--name", name, *common, "-p", f"{port}:{port}", *env_flags(),
                   image, "serve", *args]
         return Launch(recipe, target, image, ["vllm", "serve", *args], env,
-                      (Node(0, (hosts or ["localhost"])[0], "solo", docker, name),), plan, tuple(notes))
+                      (Node(0, (hosts or ["localhost"])[0], "solo", docker, name),), plan, tuple(notes), build)
 
     addresses = hosts or ["HEAD_ADDR", *(f"NODE{i}_ADDR" for i in range(1, nodes_wanted))]
     if hosts is None:
@@ -710,7 +774,7 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
                       *env_flags(node_env), image, *mode]
             then = ["docker", "exec", f"{name}-head", *serve] if rank == 0 else []
             nodes.append(Node(rank, address, role, docker, container, then, detached=True))
-        return Launch(recipe, target, image, serve, env, tuple(nodes), plan, tuple(notes))
+        return Launch(recipe, target, image, serve, env, tuple(nodes), plan, tuple(notes), build)
 
     for rank, address in enumerate(addresses):
         role = "head" if rank == 0 else "worker"
@@ -723,7 +787,7 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
                   "--network", "host", *env_flags(), image, "serve", *node_args]
         nodes.append(Node(rank, address, role, docker, container, detached=rank > 0))
     head_args = nodes[0].docker[nodes[0].docker.index("serve") + 1:]
-    return Launch(recipe, target, image, ["vllm", "serve", *head_args], env, tuple(nodes), plan, tuple(notes))
+    return Launch(recipe, target, image, ["vllm", "serve", *head_args], env, tuple(nodes), plan, tuple(notes), build)
 
 
 # -- output --------------------------------------------------------------------------------
@@ -747,9 +811,7 @@ def describe(launch: Launch) -> str:
                 lines.append(f"  {name}={value}: {var.reason}" + (f" ({var.link})" if var.link else ""))
             else:
                 lines.append(f"  {name}={value}: image target {launch.target} default (recipes/glm5-dsa.toml)")
-    if recipe.workarounds:
-        lines += ["", "settings that work around bugs:"]
-        lines += [f"  {w.setting}={recipe.vllm[w.setting]}: {w.reason} ({w.link})" for w in recipe.workarounds]
+    lines += bug_lines(recipe, launch.target, launch.build)
     for note in launch.notes:
         lines += ["", f"note: {note}"]
     lines += ["", "vllm serve (on the serving node):", f"  {shell_join(launch.vllm)}", ""]
@@ -772,6 +834,64 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
+def _bases(build: Recipe) -> list[str]:
+    """Every vLLM base of the build recipe, the plan's first."""
+    return [build.vllm_version, *(v for v in build.vllm_versions if v != build.vllm_version)]
+
+
+def _bug_state(bug: Bug, base: str, target: str) -> str:
+    other_target = bug.targets and target not in bug.targets
+    return f"{bug.id} {bug.why(base)}" + (f" (concerns {'/'.join(bug.targets)} only)" if other_target else "")
+
+
+def bug_lines(recipe: ServeRecipe, target: str, build: Recipe) -> list[str]:
+    """Per vLLM base: which workarounds apply and why, and the recipe's limitations and blockers."""
+    this = build.vllm_version
+    label = {base: f"vLLM {base}" + (" (this plan)" if base == this else "") for base in _bases(build)}
+    entries = [(f"env {e.name}={e.value}", e.reason, e.bugs) for e in recipe.env if e.bugs]
+    entries += [(f"{w.setting}={recipe.vllm[w.setting]}", w.reason, w.bugs) for w in recipe.workarounds]
+    lines = []
+    if entries:
+        lines += ["", "workarounds, per vLLM base (each applied where a bug it names is present; the evidence: "
+                      "recipes/bugs/, held to the pinned artefacts by scripts/recipe.py check):"]
+        for what, reason, bug_ids in entries:
+            lines.append(f"  {what}: {reason}")
+            for base in _bases(build):
+                state = "applied" if applies(recipe, bug_ids, base, target) else "not applied"
+                found = "; ".join(_bug_state(recipe.bugs[b], base, target) for b in bug_ids)
+                lines.append(f"    {label[base]}: {state}: {found}")
+            lines += [f"    {b}: {recipe.bugs[b].title} ({recipe.bugs[b].link})" for b in bug_ids]
+    for kind, bug_ids in (("limitations (what shaped this recipe)", recipe.limitations),
+                          ("blockers (the plan refuses a base where one is present)", recipe.blockers)):
+        if bug_ids:
+            lines += ["", f"{kind}:"]
+            for b in bug_ids:
+                lines.append(f"  {b}: {recipe.bugs[b].title} ({recipe.bugs[b].link})")
+                lines += [f"    {label[base]}: {_bug_state(recipe.bugs[b], base, target)}" for base in _bases(build)]
+    return lines
+
+
+def bug_usage_problems(recipes_dir: Path, build: Recipe) -> list[str]:
+    """Workarounds and limitations of the serving recipes that hold on no vLLM base: expired."""
+    problems = []
+    for name in serve_recipe_names(recipes_dir):
+        try:
+            recipe = load_serve_recipe(name, recipes_dir, build)
+        except ServeError as exc:
+            problems.append(str(exc))
+            continue
+        entries = [(f"env.{e.name}", e.bugs) for e in recipe.env]
+        entries += [(f"workarounds.{w.setting}", w.bugs) for w in recipe.workarounds]
+        entries += [("limitations", (b,)) for b in recipe.limitations]
+        for what, bug_ids in entries:
+            if not any(recipe.bugs[b].present(v, t) for b in bug_ids for v in build.vllm_versions
+                       for t in recipe.targets):
+                problems.append(f"{recipe.path}: {what}: {', '.join(bug_ids)} present on no vLLM base it could "
+                                f"apply to ({', '.join(build.vllm_versions)}): the bug is gone; remove it from the "
+                                "recipe and say why in its comment and in docs/recipes.md")
+    return problems
+
+
 def list_recipes(recipes_dir: Path, build: Recipe, target_filter: str | None = None) -> str:
     rows = []
     for name in serve_recipe_names(recipes_dir):
@@ -790,6 +910,9 @@ def list_recipes(recipes_dir: Path, build: Recipe, target_filter: str | None = N
                           if plan.fits else f"REFUSED: {plan.problem()}")
             except ServeError as exc:
                 status = f"REFUSED: {exc}"
+            blocked = blocking(recipe, target, build)
+            if blocked:
+                status = f"BLOCKED on vLLM {build.vllm_version}: {', '.join(b.id for b in blocked)}"
             layout = f"{recipe.nodes}x{recipe.layout['gpus_per_node']} {gpu.name}" + (
                 " (cluster)" if recipe.cluster_only else "")
             rows.append((name, target, layout, recipe.hf_id, status))

@@ -18,10 +18,14 @@ commands:
   check          fail when docker-bake.json or the base's requirements and locks disagree with
                  the recipe or with what `lock` wrote (offline): the vllm pin must carry
                  exactly the recipe's wheel sha256, a release the same hashes in every lock,
-                 each lock the sha256 in SHA256SUMS
+                 each lock the sha256 in SHA256SUMS; and when a bug of recipes/bugs/ is
+                 recorded present on the base but its lock pins the release that fixed it (or
+                 a serving recipe keeps a workaround whose bugs no base has)
   check --online the same, and every hash of every lock must be the sha256 of a file the
                  index (https://pypi.org/simple) lists for that name==version, each recipe
-                 wheel sha256 the one it lists for that file
+                 wheel sha256 the one it lists for that file, and each bug's source patterns
+                 in the pinned wheel (downloaded once into ~/.cache/dsa-image) must give its
+                 recorded verdict
 
 exit codes:
   0  ok
@@ -38,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image import bake, lock, wheels  # noqa: E402
+from dsa_image import bake, lock, wheels, workarounds  # noqa: E402
 from dsa_image.manifest import ManifestError  # noqa: E402
 from dsa_image.recipe import DEFAULT_RECIPE, REPO_ROOT, RecipeError, format_value, load_recipe  # noqa: E402
 from dsa_image.registry import RegistryError  # noqa: E402
@@ -75,12 +79,14 @@ def cmd_check(args) -> int:
     problems += lock.lock_problems(recipe)
     if args.online:
         problems += lock.online_problems(recipe)
+    problems += workarounds.check(recipe, online=args.online)
     for problem in problems:
         say(problem)
     if not problems:
         online = " and every lock hash is a file the index lists for its pin" if args.online else ""
+        source = "its locks and pinned wheels' source" if args.online else "its locks"
         say(f"{recipe.id} vLLM {recipe.vllm_version}: docker-bake.json, requirements and locks agree with the "
-            f"recipe{online}")
+            f"recipe{online}; the decisions of recipes/bugs/ agree with {source}")
     return DRIFT if problems else OK
 
 

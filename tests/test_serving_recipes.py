@@ -34,8 +34,23 @@ RECIPES = REPO / "recipes"
 SERVE = REPO / "scripts" / "serve.py"
 BUILD = load_recipe()
 ALL = sr.serve_recipe_names()
-FITTING = {"tiny-glm5", "glm-5-fp8-8xb200", "glm-5.2-nvfp4-8xrtxpro6000", "glm-5.2-nvfp4-8xspark"}
-REFUSED = {"glm-5.2-nvfp4-4xrtxpro6000", "glm-5.2-nvfp4-2xspark", "glm-5.2-nvfp4-4xspark"}
+FITTING = {"tiny-glm5", "glm-5-fp8-8xb200", "glm-5.2-nvfp4-8xrtxpro6000", "glm-5.2-nvfp4-8xspark",
+           "glm-5.2-w4a16-4xspark"}
+# Layouts no shipped recipe has because they can never fit (docs/recipes.md says which checkpoint
+# each would need): a shipped recipe with the layout set, and the plan's refusal.
+REFUSED_LAYOUTS = {
+    "NVFP4 on 4x RTX PRO 6000": ("glm-5.2-nvfp4-8xrtxpro6000", ["gpus_per_node=4", "tensor_parallel_size=4"],
+                                 "111.6 GiB of weights per GPU (stage 0) exceed the 86.0 GiB"),
+    "NVFP4 on 4 Sparks": ("glm-5.2-nvfp4-8xspark", ["nodes=4", "tensor_parallel_size=4"],
+                          "111.6 GiB of weights per GPU (stage 0) exceed the 103.4 GiB"),
+    "NVFP4 on 2 Sparks": ("glm-5.2-nvfp4-8xspark", ["nodes=2", "tensor_parallel_size=2"],
+                          "219.0 GiB of weights per GPU (stage 0) exceed the 103.4 GiB"),
+    "W4A16 on 4x RTX PRO 6000": ("glm-5.2-w4a16-4xspark", ["hardware.sm120=rtx-pro-6000",
+                                                           "gpu_memory_utilization=0.9"],
+                                 "97.3 GiB of weights per GPU (stage 0) exceed the 86.0 GiB"),
+    "W4A16 on 2 Sparks": ("glm-5.2-w4a16-4xspark", ["nodes=2", "tensor_parallel_size=2"],
+                          "191.7 GiB of weights per GPU (stage 0) exceed the 107.1 GiB"),
+}
 SPARK8_HOSTS = [f"10.0.0.{i}" for i in range(1, 9)]
 
 
@@ -104,6 +119,30 @@ def test_checkpoint_sizes_match_published_sizes():
     assert nvfp4 / GIB == pytest.approx(433, rel=0.01)  # InferenceX #2335: 433 (GiB) total
     fp8 = memory_plan.checkpoint_bytes(glm5, SCHEMES["fp8-block"], with_mtp=True)
     assert fp8 / GIB == pytest.approx(704, rel=0.01)  # eugr's 8x-Spark GLM-5-FP8 recipe: ~704 GiB
+    # What the W4A16 checkpoint stores (without the bf16 W_UK/W_UV vLLM derives from its INT8 kv_b):
+    # "405GB of weights" (joesinvestments' 4x-Spark recipe), "379GiB on disk" with an INT8 lm_head
+    # sidecar of 0.9 GiB added (0xdfi).
+    w4a16 = memory_plan.stage_weights(glm52, SCHEMES["w4a16-int4-int8mix"], tp=1, pp=1, mtp=True)[0].breakdown
+    stored = sum(size for part, size in w4a16.items() if not part.endswith("_bf16_copy"))
+    assert stored == pytest.approx(405e9, rel=0.01)
+    assert stored / GIB == pytest.approx(379 - 154880 * 6144 / GIB, rel=0.01)
+
+
+def test_w4a16_plan_matches_the_published_weights_per_rank():
+    """0xdfi's 4x-Spark recipe: ~94.75 GiB of weights per rank at TP 4 (379 GiB / 4). The plan is
+    within 3% above it: it also counts what every rank holds whole (the indexer, q_a/kv_a, norms,
+    router: ~2.5 GiB) and the bf16 W_UK/W_UV copies of the INT8 kv_b (0.5 GiB), and leaves out the
+    INT8 lm_head sidecar (0.2 GiB per rank)."""
+    plan = sr.memory_plan_of(load("glm-5.2-w4a16-4xspark"), "sm120", BUILD)
+    assert plan.weights_per_gpu / GIB == pytest.approx(94.75, rel=0.03)
+    assert plan.weights_per_gpu / GIB > 94.75
+    assert plan.fits and plan.kv_tokens >= 2 * 65536
+    layer0 = memory_plan.stage_weights(model_config("glm-5.2"), SCHEMES["w4a16-int4-int8mix"], tp=1, pp=1,
+                                       mtp=False)[0]
+    bf16 = memory_plan.stage_weights(model_config("glm-5.2"), SCHEMES["bf16"], tp=1, pp=1, mtp=False)[0]
+    assert layer0.breakdown["mlp.dense"] < bf16.breakdown["mlp.dense"]  # layers 1-2 INT8, layer 0 bf16
+    assert SCHEMES["w4a16-int4-int8mix"].part_bytes("mlp.dense", False, 0) == memory_plan.BF16
+    assert SCHEMES["w4a16-int4-int8mix"].part_bytes("mlp.routed_experts", True) == memory_plan.INT8_CHANNEL
 
 
 def test_index_topk_pattern_is_vllms_and_the_published_one():
@@ -196,19 +235,19 @@ def test_plan_numbers_by_hand_for_8_sparks():
     assert plan.fits and plan.full_length_sequences == plan.kv_tokens // 393216 >= 1
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_refused_recipes_name_the_numbers(name):
-    recipe = load(name)
+@pytest.mark.parametrize("layout", sorted(REFUSED_LAYOUTS))
+def test_layouts_that_never_fit_are_refused_with_the_numbers(layout):
+    name, overrides, numbers = REFUSED_LAYOUTS[layout]
+    recipe = load(name, overrides)
     plan = sr.memory_plan_of(recipe, recipe.targets[0], BUILD)
-    assert not plan.fits
-    assert "does not fit" in plan.problem() and "GiB of weights per GPU" in plan.problem()
+    assert not plan.fits and f"does not fit: {numbers}" in plan.problem()
     with pytest.raises(sr.LayoutError, match="does not fit"):
         sr.plan_launch(recipe, recipe.targets[0], BUILD, hosts=None, solo=False)
 
 
 def test_which_recipes_fit():
     fits = {name for name in ALL for t in load(name).targets if sr.memory_plan_of(load(name), t, BUILD).fits}
-    assert fits == FITTING and set(ALL) == FITTING | REFUSED
+    assert fits == FITTING and set(ALL) == FITTING
 
 
 def test_a_plan_refuses_too_little_kv_for_one_request():
@@ -228,17 +267,24 @@ def test_gpu_memory_parsing():
 
 
 def test_every_recipe_loads_and_build_recipes_are_unaffected():
-    assert set(ALL) == FITTING | REFUSED
+    assert set(ALL) == FITTING
     for name in ALL:
         recipe = sr.load_serve_recipe(name, build=BUILD)
         assert recipe.name == name and recipe.targets
     assert recipe_ids() == ["glm5-dsa"]  # recipes/serve and recipes/models are not build recipes
 
 
-def test_every_env_workaround_has_a_reason_and_a_link():
+def test_every_workaround_names_its_bugs_with_evidence_for_every_base():
     for name in ALL:
-        for var in load(name).env:
-            assert var.reason and var.link.startswith("https://"), (name, var)
+        recipe = load(name)
+        for entry in (*recipe.env, *recipe.workarounds):
+            assert entry.reason and entry.link.startswith("https://") and entry.bugs, (name, entry)
+        for bug_id in {b for e in (*recipe.env, *recipe.workarounds) for b in e.bugs} | set(recipe.limitations):
+            assert set(recipe.bugs[bug_id].bases) == set(BUILD.vllm_versions), (name, bug_id)
+
+
+def test_no_recipe_keeps_an_expired_workaround():
+    assert sr.bug_usage_problems(RECIPES, BUILD) == []
 
 
 def copy_recipes(tmp_path: Path, name: str, edit) -> Path:
@@ -264,11 +310,22 @@ SPARK = "glm-5.2-nvfp4-8xspark"
     (SPARK, lambda t: t.replace('sm120 = "dgx-spark"', 'sm75 = "dgx-spark"'), sr.RecipeFileError,
      "not a target of glm5-dsa"),
     (SPARK, lambda t: t.replace('link = "https://github.com/flashinfer-ai/flashinfer/issues/3610"\n', ""),
-     sr.RecipeFileError, "needs exactly value, reason and link"),
+     sr.RecipeFileError, "needs exactly value, reason, link and bugs"),
+    (SPARK, lambda t: t.replace('bugs = ["flashinfer-3610"]\n', ""), sr.RecipeFileError,
+     "needs exactly value, reason, link and bugs"),
+    (SPARK, lambda t: t.replace('bugs = ["flashinfer-3610"]', 'bugs = ["flashinfer-9"]'), sr.RecipeFileError,
+     "env.VLLM_USE_FLASHINFER_SAMPLER: unknown bugs flashinfer-9"),
+    (SPARK, lambda t: t.replace('bugs = ["flashinfer-3610"]', "bugs = []"), sr.RecipeFileError,
+     "expected a list of bug ids"),
+    (SPARK, lambda t: t.replace('blockers = ["vllm-sm120-flashinfer-sparse-mla-api"]', 'blockers = ["x"]'),
+     sr.RecipeFileError, "blockers: unknown bugs x"),
     (SPARK, lambda t: t.replace("https://github.com/flashinfer-ai/flashinfer/issues/3610", "see chat"),
      sr.RecipeFileError, "must be an https:// URL"),
-    (SPARK, lambda t: t.replace("max_num_batched_tokens = 64\n", ""), sr.RecipeFileError,
-     "sets no vllm.max_num_batched_tokens"),
+    (SPARK, lambda t: t + '[workarounds.max_num_batched_tokens]\nreason = "r"\nlink = "https://x"\n'
+                          'bugs = ["flashinfer-3700"]\n', sr.RecipeFileError, "sets no vllm.max_num_batched_tokens"),
+    (SPARK, lambda t: t.replace('max_num_seqs = 4', 'max_num_seqs = 4\nmax_num_batched_tokens = 64') +
+     '[workarounds.max_num_batched_tokens]\nreason = "r"\nlink = "https://x"\n', sr.RecipeFileError,
+     "workarounds.max_num_batched_tokens: needs exactly reason, link and bugs"),
     (SPARK, lambda t: t.replace('kv_cache_dtype = "fp8_ds_mla"', 'kv_cache_dtype = "bfloat16"'),
      sr.RecipeFileError, "does not take kv_cache_dtype 'bfloat16'"),
     (SPARK, lambda t: t.replace('index_topk_pattern = "FFFS', 'index_topk_pattern = "FFFF'), sr.RecipeFileError,
@@ -445,6 +502,73 @@ def test_bad_overrides(assignment, error, message):
         load(SPARK, [assignment])
 
 
+# -- workarounds per base -------------------------------------------------------------------
+
+OLD = load_recipe(vllm="0.24.0")
+# A recipe with a [vllm] setting that works around flashinfer-3610 (present on 0.24.0 only).
+CAPPED = (lambda t: t.replace("max_num_seqs = 4", "max_num_seqs = 4\nmax_num_batched_tokens = 64")
+          + '[workarounds.max_num_batched_tokens]\nreason = "r"\nlink = "https://x"\nbugs = ["flashinfer-3610"]\n')
+RTX8 = "glm-5.2-nvfp4-8xrtxpro6000"
+
+
+def test_a_workaround_applies_only_on_a_base_that_has_its_bug(tmp_path):
+    root = copy_recipes(tmp_path, RTX8, CAPPED)
+    for build, applied in ((BUILD, False), (OLD, True)):
+        recipe = sr.load_serve_recipe(RTX8, root, build)
+        args = sr.vllm_args(recipe, "sm120", build)
+        assert ("--max-num-batched-tokens" in args) is applied, build.vllm_version
+        assert ("VLLM_USE_FLASHINFER_SAMPLER" in sr.environment(recipe, "sm120", build)) is applied
+        assert sr.unapplied_settings(recipe, "sm120", build) == (set() if applied else {"max_num_batched_tokens"})
+
+
+def test_setting_a_workarounds_value_makes_it_the_users_on_every_base(tmp_path):
+    root = copy_recipes(tmp_path, RTX8, CAPPED)
+    recipe = sr.apply_overrides(sr.load_serve_recipe(RTX8, root, BUILD), ["max_num_batched_tokens=64",
+                                                                          "env.VLLM_USE_FLASHINFER_SAMPLER=0"], BUILD)
+    args = sr.vllm_args(recipe, "sm120", BUILD)
+    assert args[args.index("--max-num-batched-tokens") + 1] == "64"
+    assert sr.environment(recipe, "sm120", BUILD)["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert recipe.workarounds == ()
+
+
+def test_the_plan_prints_per_base_which_workarounds_apply_and_why(tmp_path):
+    root = copy_recipes(tmp_path, RTX8, CAPPED)
+    launch = sr.plan_launch(sr.load_serve_recipe(RTX8, root, BUILD), "sm120", BUILD, hosts=None, solo=True)
+    text = sr.describe(launch)
+    block = text[text.index("workarounds, per vLLM base"):text.index("blockers")]
+    assert "  max_num_batched_tokens=64: r\n    vLLM 0.33.0 (this plan): not applied: flashinfer-3610 fixed" in block
+    assert "    vLLM 0.24.0: applied: flashinfer-3610 present: flashinfer-python 0.6.12, fixed in 0.6.14" in block
+    assert "  env VLLM_USE_FLASHINFER_SAMPLER=0: " in block
+    w4a16 = sr.describe(sr.plan_launch(load("glm-5.2-w4a16-4xspark"), "sm120", BUILD, hosts=None, solo=False))
+    assert ("limitations (what shaped this recipe):\n  vllm-sm120-sparse-mla-lse: " in w4a16
+            and "    vLLM 0.33.0 (this plan): vllm-sm120-sparse-mla-lse present: vllm 0.33.0; its source has the bug"
+            in w4a16)
+
+
+def test_a_blocker_refuses_its_base_and_target_only():
+    for name in ALL:
+        recipe = load(name)
+        for target in recipe.targets:
+            blocked = sr.blocking(sr.load_serve_recipe(name, build=OLD), target, OLD)
+            assert [b.id for b in blocked] == (["vllm-sm120-flashinfer-sparse-mla-api"] if target == "sm120" else [])
+            assert sr.blocking(recipe, target, BUILD) == []
+    with pytest.raises(sr.TargetError, match="cannot run on the vLLM 0.24.0 sm120 image.*Use --vllm 0.33.0"):
+        sr.plan_launch(sr.load_serve_recipe("tiny-glm5", build=OLD), "sm120", OLD, hosts=None, solo=True)
+    sr.plan_launch(sr.load_serve_recipe("tiny-glm5", build=OLD), "sm90", OLD, hosts=None, solo=True)
+
+
+def test_a_workaround_whose_bugs_no_base_has_is_expired(tmp_path):
+    root = copy_recipes(tmp_path, SPARK, lambda t: t.replace('bugs = ["flashinfer-3610"]',
+                                                             'bugs = ["flashinfer-3700"]'))
+    problems = sr.bug_usage_problems(root, BUILD)
+    assert len(problems) == 1
+    assert "env.VLLM_USE_FLASHINFER_SAMPLER: flashinfer-3700 present on no vLLM base" in problems[0]
+    gone = root / "bugs" / "vllm-sm120-sparse-mla-lse.toml"
+    gone.write_text(gone.read_text().replace('verdict = "present"', 'verdict = "fixed"'))
+    assert any("limitations: vllm-sm120-sparse-mla-lse present on no vLLM base" in p
+               for p in sr.bug_usage_problems(root, BUILD))
+
+
 # -- dry runs and refusals from the command line --------------------------------------------
 
 
@@ -458,7 +582,11 @@ def test_cli_list():
     assert done.returncode == 0, done.stderr
     for name in ALL:
         assert name in done.stdout
-    assert done.stdout.count("REFUSED: does not fit") == len(REFUSED)
+    assert "REFUSED" not in done.stdout and "BLOCKED" not in done.stdout
+    assert "glm-5.2-w4a16-4xspark       sm120   4x1 NVIDIA DGX Spark (GB10) (cluster)" in done.stdout
+    old = serve("--list", "--vllm", "0.24.0").stdout.splitlines()
+    assert [line.split()[0] for line in old if "BLOCKED on vLLM 0.24.0" in line] == [
+        name for name in ALL if "sm120" in load(name).targets]
 
 
 def test_cli_dry_run_solo_prints_the_exact_commands():
@@ -468,16 +596,23 @@ def test_cli_dry_run_solo_prints_the_exact_commands():
     recipe = load("glm-5.2-nvfp4-8xrtxpro6000")
     image = docker.index(f"dsa-image:{BUILD.vllm_version}-sm120")  # no --vllm: the default base's image
     assert docker[image + 1:] == ["serve", *sr.vllm_args(recipe, "sm120", BUILD)]
-    for expected in (["--gpus", "all"], ["--ipc=host"], ["-p", "8000:8000"], ["-e", "VLLM_USE_FLASHINFER_SAMPLER=0"],
-                     ["-e", "VLLM_USE_B12X_SPARSE_INDEXER=1"]):
+    for expected in (["--gpus", "all"], ["--ipc=host"], ["-p", "8000:8000"], ["-e", "VLLM_USE_B12X_SPARSE_INDEXER=1"]):
         assert any(docker[i:i + len(expected)] == expected for i in range(image)), expected
+    # flashinfer-3610 is fixed in 0.33.0's FlashInfer: its workaround is not applied, and the plan says why
+    assert "VLLM_USE_FLASHINFER_SAMPLER=0" not in docker
+    assert ("    vLLM 0.33.0 (this plan): not applied: flashinfer-3610 fixed: flashinfer-python 0.7.2.post1, fixed in "
+            "0.6.14; its source has the fix\n    vLLM 0.24.0: applied: flashinfer-3610 present: flashinfer-python "
+            "0.6.12, fixed in 0.6.14; its source has the bug\n") in done.stdout
     assert any(w.endswith(":/home/vllm/.cache/huggingface") for w in docker)
     assert "KV tokens that fit: 553216" in done.stdout
 
 
 @pytest.mark.parametrize("args, code, message", [
     (["glm-5.2-nvfp4-8xspark", "--solo", "--dry-run"], 4, "is cluster-only: it needs 8 nodes"),
-    (["glm-5.2-nvfp4-4xrtxpro6000", "--dry-run"], 4, "111.6 GiB of weights per GPU"),
+    (["glm-5.2-nvfp4-8xrtxpro6000", "--dry-run", "--set", "gpus_per_node=4", "--set", "tensor_parallel_size=4"], 4,
+     "111.6 GiB of weights per GPU"),
+    (["glm-5.2-w4a16-4xspark", "--dry-run", "--vllm", "0.24.0"], 5,
+     "cannot run on the vLLM 0.24.0 sm120 image: vllm-sm120-flashinfer-sparse-mla-api"),
     (["glm-5.2-nvfp4-8xrtxpro6000", "--dry-run", "--target", "sm90"], 5, "runs on the sm120 image(s), not sm90"),
     (["glm-5.2-nvfp4-8xspark", "--dry-run", "--nodes", "a,b"], 4, "needs 8 node(s), --nodes gave 2"),
     (["glm-5.2-nvfp4-8xspark", "--dry-run", "--set", "tensor_parallel_size=5"], 4, "does not divide the 64"),
@@ -775,7 +910,8 @@ def test_image_mode_serves_in_this_container():
 @pytest.mark.parametrize("args, environ, code, message", [
     (["glm-5-fp8-8xb200"], IMAGE_ENV, 5, "runs on the sm100 image(s), not sm120"),
     (["glm-5.2-nvfp4-8xspark", "--nodes", ",".join(SPARK8_HOSTS)], IMAGE_ENV, 4, "start it from a host"),
-    (["glm-5.2-nvfp4-4xspark"], IMAGE_ENV, 4, "does not fit"),
+    (["glm-5.2-nvfp4-8xspark", "--set", "nodes=4", "--set", "tensor_parallel_size=4"], IMAGE_ENV, 4, "does not fit"),
+    (["tiny-glm5"], {**IMAGE_ENV, "DSA_IMAGE_VLLM": "0.24.0"}, 5, "cannot run on the vLLM 0.24.0 sm120 image"),
     (["tiny-glm5"], {}, 1, "DSA_IMAGE_TOOL is not set"),
 ])
 def test_image_mode_refusals(args, environ, code, message):
@@ -790,12 +926,14 @@ def test_scaled_down_keeps_what_sm90_runs_and_names_what_it_changes():
     run = scaled.scale_down(load("glm-5.2-nvfp4-8xspark"), BUILD)
     args = run.args
     assert args[args.index("--attention-backend") + 1] == "FLASHMLA_SPARSE"
-    for kept in (["--kv-cache-dtype", "fp8_ds_mla"], ["--block-size", "64"], ["--max-num-batched-tokens", "64"],
-                 ["--reasoning-parser", "glm45"], ["--tool-call-parser", "glm47"], ["--load-format", "dummy"],
-                 ["--max-model-len", "8192"]):
+    for kept in (["--kv-cache-dtype", "fp8_ds_mla"], ["--block-size", "64"], ["--reasoning-parser", "glm45"],
+                 ["--tool-call-parser", "glm47"], ["--load-format", "dummy"], ["--max-model-len", "8192"]):
         assert args[args.index(kept[0]) + 1] == kept[1], kept
     assert "--tensor-parallel-size" not in args and run.mtp
-    assert run.env == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert run.env == {}  # VLLM_USE_FLASHINFER_SAMPLER=0: flashinfer-3610 is fixed in 0.33.0's FlashInfer
+    w4a16 = scaled.scale_down(load("glm-5.2-w4a16-4xspark"), BUILD).args
+    assert w4a16[w4a16.index("--max-num-batched-tokens") + 1] == "2048"
+    assert w4a16[w4a16.index("--speculative-config") + 1] == '{"method":"mtp","num_speculative_tokens":3}'
     sm90 = {c.what for c in run.changes if c.sm90}
     assert sm90 == {"--attention-backend", "VLLM_USE_B12X_SPARSE_INDEXER"}
 
@@ -818,9 +956,11 @@ def test_scaled_down_keeps_the_kv_cache_on_an_sm90_backend_that_takes_it(vllm, n
 
 
 def test_scaled_down_runs_are_deduplicated():
-    runs = scaled.scaled_runs(ALL, BUILD, gpus=1)
-    assert sorted(len(r.recipes) for r in runs) == [1, 1, 2, 3]
-    assert sorted(r for run in runs for r in run.recipes) == sorted(ALL)
+    # Every recipe's scaled-down form differs now (GPU memory fraction, MTP depth, batching); a
+    # name twice is served once.
+    runs = scaled.scaled_runs([*ALL, "tiny-glm5"], BUILD, gpus=1)
+    assert sorted(len(r.recipes) for r in runs) == [1, 1, 1, 1, 2]
+    assert sorted(r for run in runs for r in run.recipes) == sorted([*ALL, "tiny-glm5"])
 
 
 def test_scaled_down_layout_uses_the_gpus_given():
@@ -831,7 +971,7 @@ def test_scaled_down_layout_uses_the_gpus_given():
 # -- code shape ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["serving_recipes.py", "memory_plan.py"])
+@pytest.mark.parametrize("module", ["serving_recipes.py", "memory_plan.py", "workarounds.py"])
 def test_runner_modules_are_stdlib_only(module):
     tree = ast.parse((REPO / "dsa_image" / module).read_text())
     imported = set()
@@ -903,7 +1043,7 @@ def test_validation_runner_serves_asks_and_records(tmp_path):
     assert result["ok"] and result["long"]["prompt_tokens"] == scaled.LONG_PROMPT
     assert result["short"]["prompt_tokens"] == scaled.SHORT_PROMPT and result["chat_with_tool"]["ok"]
     assert str(work / "models" / "tiny-glm5-mtp") in (out / "glm-5.2-nvfp4-8xspark.log").read_text()
-    assert result["env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert result["env"] == {}  # on the default base (0.33.0) flashinfer-3610 is fixed: no sampler workaround
     assert tiny_model.model_dir_differences(work / "models" / "tiny-glm5-mtp", tiny_model.MTP_CONFIG) == []
     # The server's HOME starts as the image's: the model info it ships, no compile cache.
     shipped = work / "home-glm-5.2-nvfp4-8xspark" / ".cache" / "vllm" / "modelinfos"

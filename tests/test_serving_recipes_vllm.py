@@ -155,10 +155,25 @@ def test_named_environment_variables_exist():
     for name in NAMES:
         recipe = sr.load_serve_recipe(name, build=BUILD)
         for target in recipe.targets:
-            for var in sr.environment(recipe, target, BUILD):
+            # the target's, and every variable of the recipe's, applied on this base or not
+            for var in {*sr.environment(recipe, target, BUILD), *(e.name for e in recipe.env)}:
                 if var.startswith("VLLM_"):
                     assert var in envs.environment_variables or any(
                         f'"{var}"' in text for text in overlay_sources), (name, var)
+
+
+def test_the_installed_packages_show_the_recorded_bug_verdicts():
+    """The image's own FlashInfer and (overlaid) vLLM: each bug's source patterns (recipes/bugs/)
+    give the verdict recorded for this base, as `scripts/recipe.py check --online` finds in the
+    pinned wheels: the workarounds this image's recipes apply are the ones its packages need."""
+    from dsa_image import workarounds
+
+    for bug in workarounds.load_bugs(sr.RECIPES_DIR).values():
+        if bug.source is None:
+            continue
+        members = workarounds.installed_members(bug.package, bug.source.files)
+        verdict, found = workarounds.source_verdict(bug.source, members)
+        assert verdict == bug.bases[BUILD.vllm_version].verdict, (bug.id, found)
 
 
 # vLLM's FlashAttention package refuses to import where its CUDA extensions cannot load (no GPU
