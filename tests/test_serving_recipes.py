@@ -372,7 +372,7 @@ TINY_HARDWARE = '[hardware]\nsm120 = "rtx-pro-6000"\nsm100 = "b200"\nsm90 = "h20
     (SPARK, lambda t: t.replace("max_num_seqs = 4", "max_num_seqs = -3"), "vllm.max_num_seqs = -3: must be at least 1"),
     (TINY, lambda t: t.replace("nodes = 1", "nodes = 0"), "layout.nodes = 0: must be at least 1"),
     (TINY, lambda t: t.replace('model = "tiny-glm5"', 'model = "../glm5-dsa"'), "model '../glm5-dsa': not a plain file name"),
-    (TINY, lambda t: t + '[env.""]\nvalue = "1"\nreason = "r"\nlink = "https://x"\n', "env.: '' is not an environment"),
+    (TINY, lambda t: t + '[env.""]\nvalue = "1"\nreason = "r"\nlink = "https://x"\nbugs = ["flashinfer-3610"]\n', "env.: '' is not an environment"),
     (TINY, lambda t: t.replace('hf_id = "/opt/dsa-image/models/tiny-glm5"', 'hf_id = "--load-format=x"'),
      "hf_id '--load-format=x': expected a model id or path"),
 ])
