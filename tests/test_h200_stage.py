@@ -255,7 +255,7 @@ def test_the_command_line_plans_without_downloading(capsys):
     out = capsys.readouterr().out
     count = len(stage.plan(NEW, RECORD))
     assert out.startswith(f"vLLM 0.33.0: {count} wheels to stage, against the H200's recorded `pip list` "
-                          "(docs/validation/h200-pip-freeze.txt)")
+                          "(recipes/hosts/h200-pip-freeze.txt)")
     assert "torch==2.14.0  # the H200 has 2.11.0" in out
 
 
