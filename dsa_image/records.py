@@ -23,6 +23,7 @@ import fnmatch
 import functools
 import hashlib
 import io
+import json
 import lzma
 import posixpath
 import re
@@ -133,16 +134,55 @@ def _members(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, bytes], ..
     return tuple(sorted(found.items()))
 
 
+# -- what a run ran --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """An overlay receipt a record holds: a receipt file, or a build a benchmark's results name."""
+    where: str  # the member, and the build for a benchmark's
+    vllm: str
+    sha256: str
+    manifest_sha256: str | None = None
+
+
+def receipts(files: dict[str, bytes]) -> list[Receipt]:
+    found = []
+    for name, data in sorted(files.items()):
+        try:
+            doc = json.loads(data) if name.endswith(".json") else None
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and {"schema", "files", "manifest_sha256", "vllm_version"} <= set(doc):
+            found.append(Receipt(f"`{name}`", str(doc["vllm_version"]), sha256(data), str(doc["manifest_sha256"])))
+        for build, versions in _build_versions(doc):
+            if versions.get("overlay_receipt_sha256"):
+                found.append(Receipt(f"`{name}` build {build}", str(versions.get("vllm")), str(versions["overlay_receipt_sha256"])))
+    return found
+
+
+def _build_versions(doc: object) -> list[tuple[str, dict]]:
+    """(side, versions) of each build a benchmark's results.json names (none for another file)."""
+    environment = doc.get("environment") if isinstance(doc, dict) else None
+    builds = environment.get("builds") if isinstance(environment, dict) else None
+    return [(side, b["versions"]) for side, b in sorted(builds.items()) if isinstance(b, dict)
+            and isinstance(b.get("versions"), dict)] if isinstance(builds, dict) else []
+
+
 # -- the README's section ------------------------------------------------------------------------
 
 
 def section(archive: bytes, files: dict[str, bytes]) -> str:
     rows = "".join(f"| `{name}` | {len(data):,} | `{sha256(data)}` |\n" for name, data in sorted(files.items()))
+    ran = "".join(f"- {r.where}: vLLM {r.vllm}, receipt sha256 `{r.sha256}`"
+                  + (f", overlay manifest sha256 `{r.manifest_sha256}`" if r.manifest_sha256 else "") + "\n"
+                  for r in receipts(files))
+    ran = f"The overlay receipts among them, what the run ran:\n\n{ran}\n" if ran else ""
     return (f"{BEGIN}\n## Raw data\n\n"
             f"The run's other {len(files)} files are packed in [{ARCHIVE}]({ARCHIVE}) "
             f"({len(archive):,} bytes, sha256 `{sha256(archive)}`); the text above names each by its path "
             f"there. `python3 scripts/records.py extract DIR DEST` unpacks them, checked against this "
-            f"table.\n\n| file | bytes | sha256 |\n|---|---|---|\n{rows}{END}\n")
+            f"table.\n\n{ran}| file | bytes | sha256 |\n|---|---|---|\n{rows}{END}\n")
 
 
 def cited(readme_text: str, where: str = README) -> Cited | None:
@@ -234,14 +274,20 @@ def _archive_problems(record: Path) -> list[str]:
         if (len(raw), sha256(raw)) != (claim.size, claim.sha256):
             return [f"{record / ARCHIVE}: {len(raw):,} bytes, sha256 {sha256(raw)}; "
                     f"{README} cites {claim.size:,} bytes, sha256 {claim.sha256}"]
-        members = {name: Member(name, len(data), sha256(data)) for name, data in read_archive(record).items()}
+        files = read_archive(record)
     except (RecordError, FileNotFoundError) as exc:
         return [str(exc)]
+    members = {name: Member(name, len(data), sha256(data)) for name, data in files.items()}
     listed = {m.name: m for m in claim.members}
     found = [f"{readme}: lists {name}, which {ARCHIVE} " + ("lacks" if name not in members else
              f"holds with {members[name].size:,} bytes, sha256 {members[name].sha256}")
              for name in sorted(listed) if listed[name] != members.get(name)]
-    return found + [f"{record / ARCHIVE}: {name} is not listed in {README}" for name in sorted(set(members) - set(listed))]
+    found += [f"{record / ARCHIVE}: {name} is not listed in {README}" for name in sorted(set(members) - set(listed))]
+    written = BEGIN + readme.read_text().split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
+    if not found and written != section(raw, files):
+        found.append(f"{readme}: its raw-data section is not what `pack` writes for {ARCHIVE}; "
+                     f"run `python3 scripts/records.py pack {record}`")
+    return found
 
 
 def extract(record: Path, dest: Path) -> list[str]:

@@ -9,8 +9,9 @@ green. The claims that do tie history to today, or figures to prose, are checked
              `docker-bake.json` predicts it, holds for today's docker-bake.json: each receipt it
              names by hash (`a3d21063…`), else one of each vLLM version among the receipts of
              the records it speaks for (its own record; in README.md the records it links)
-  benchmarks the figures README.md and the benchmark records state in prose, and README.md's
-             tables, are what the recorded results give
+  benchmarks the figures the benchmark records state in prose are what their results give, and
+             so is each of them README.md states and each row of its ratio tables (README.md
+             may drop a claim; it may not get one wrong)
   rebase     docs/rebase/vllm-0.24.0-to-0.33.0 is what `overlay.py rebase` writes today
   h200       recipes/hosts/h200-pip-freeze.txt (staging's input) holds the Python, torch and
              Triton the H200 runs recorded
@@ -48,6 +49,7 @@ BENCH_RUN = Path("docs/benchmarks/h200-2026-12-01-vllm0_33_0")
 BASES = Path("docs/benchmarks/h200-2026-12-01-vllm0_24_0-vs-vllm0_33_0")
 MTP2 = Path("docs/benchmarks/h200-2026-12-01-vllm0_33_0-mtp2")
 HOST_TIME_RUN = Path("docs/validation/h200-2026-11-30-overlay-c2b8469b")
+README = Path("README.md")
 CLAIM = re.compile(r"the bake's `RECEIPT_SHA256`|`docker-bake\.json` predicts|`RECEIPT_SHA256` of .{0,60}? in `docker-bake\.json`")
 HASH = re.compile(r"`([0-9a-f]{8,64})(?:…([0-9a-f]{2,}))?…?`")
 RECORD_LINK = re.compile(r"\]\((docs/(?:validation|benchmarks)/[^/)#]+)/")
@@ -88,25 +90,8 @@ def check_records(tree: Tree) -> list[str]:
 
 
 def receipts(tree: Tree, record: Path) -> dict[str, str]:
-    """Every overlay receipt a record's raw data holds (sha256 -> vLLM version): receipt files,
-    and the builds a benchmark's results name."""
-    found = {}
-    for name, data in records.read_archive(tree.repo / record).items():
-        doc = json.loads(data) if name.endswith(".json") else None
-        if isinstance(doc, dict) and {"schema", "files", "manifest_sha256", "vllm_version"} <= set(doc):
-            found[records.sha256(data)] = doc["vllm_version"]
-        for versions in _build_versions(doc):
-            if versions.get("overlay_receipt_sha256"):
-                found[versions["overlay_receipt_sha256"]] = versions.get("vllm")
-    return found
-
-
-def _build_versions(doc: object) -> list[dict]:
-    """The `versions` of each build a benchmark's results.json names (none for another file)."""
-    environment = doc.get("environment") if isinstance(doc, dict) else None
-    builds = environment.get("builds") if isinstance(environment, dict) else None
-    return [b["versions"] for b in builds.values() if isinstance(b, dict) and isinstance(b.get("versions"), dict)] \
-        if isinstance(builds, dict) else []
+    """Every overlay receipt a record's raw data holds, sha256 -> vLLM version."""
+    return {r.sha256: r.vllm for r in records.receipts(records.read_archive(tree.repo / record))}
 
 
 def blocks(text: str) -> list[str]:
@@ -148,7 +133,7 @@ def _claim_problems(block: str, ran: dict[str, str], bake: dict[str, str], where
 
 def check_receipts(tree: Tree) -> list[str]:
     bake = _bake_receipts(tree.repo)
-    docs = [(Path("README.md"), None)] + [(r.relative_to(tree.repo) / records.README, r.relative_to(tree.repo))
+    docs = [(README, None)] + [(r.relative_to(tree.repo) / records.README, r.relative_to(tree.repo))
                                            for r in records.record_dirs(tree.repo)]
     found = []
     for doc, record in docs:
@@ -164,7 +149,15 @@ def check_receipts(tree: Tree) -> list[str]:
 
 
 def _says(tree: Tree, doc: Path, phrase: str) -> tuple[bool, str]:
+    """A record states `phrase`, the figure its results give."""
     return phrase in tree.flat(doc), f"{doc} does not say {phrase!r}, which the recorded results give"
+
+
+def _readme_says(tree: Tree, pattern: str, phrase: str) -> tuple[bool, str]:
+    """Where README.md states the claim `pattern` finds, it reads `phrase` (a README that no
+    longer makes the claim is not wrong)."""
+    wrong = [said for said in re.findall(pattern, tree.flat(README)) if said != phrase]
+    return not wrong, f"README.md says {wrong[0] if wrong else ''!r} where the recorded results give {phrase!r}"
 
 
 def check_benchmarks(tree: Tree) -> list[str]:
@@ -173,11 +166,16 @@ def check_benchmarks(tree: Tree) -> list[str]:
 
 
 def _readme_tables(tree: Tree) -> list[str]:
-    readme = set((tree.repo / "README.md").read_text().splitlines())
-    docs = {BENCH_RUN: [tree.results(BENCH_RUN, "base/results.json"), tree.results(BENCH_RUN, "mtp-long/results.json")],
-            BASES: [tree.results(BASES)], MTP2: [tree.results(MTP2)]}
-    return [f"README.md lacks the row {row!r} of {record}'s table (`scripts/bench.py table`)"
-            for record, results in docs.items() for row in bench.table(results).splitlines() if row not in readme]
+    """Every row of a ratio table in README.md is a row `scripts/bench.py table` prints for a
+    benchmark record."""
+    rows = set()
+    for record in records.record_dirs(tree.repo):
+        if record.parent.name == "benchmarks":
+            found = sorted(n for n in records.read_archive(record) if n.rsplit("/", 1)[-1] == "results.json")
+            rows |= set(bench.table([tree.results(record.relative_to(tree.repo), n) for n in found]).splitlines())
+    ratio_row = re.compile(r"^\| [\w.-]+ \| \d+ \| \d+\.\d{3} \[")
+    return [f"README.md: the row {line!r} is no benchmark record's (`scripts/bench.py table RESULTS`)"
+            for line in (tree.repo / README).read_text().splitlines() if ratio_row.match(line) and line not in rows]
 
 
 def _start_up(tree: Tree) -> list[str]:
@@ -198,7 +196,7 @@ def _bases(tree: Tree) -> list[str]:
     medians = [w["summary"]["output_tok_s"]["median_ratio"] for w in doc["workloads"]]
     fewer = f"{round(100 * (1 - max(medians)))}–{round(100 * (1 - min(medians)))}% fewer output tokens/s"
     equal, compared = (sum(w["texts"][key] for w in doc["workloads"]) for key in ("equal", "compared"))
-    return _failed([_says(tree, BASES / "README.md", fewer), _says(tree, Path("README.md"), fewer),
+    return _failed([_says(tree, BASES / "README.md", fewer), _readme_says(tree, r"\d+–\d+% fewer output tokens/s", fewer),
                     _says(tree, BASES / "README.md", f"{equal} of the {compared:,} prompts")])
 
 
@@ -223,7 +221,7 @@ def _interval_count(tree: Tree) -> list[str]:
     return _failed([(len(ahead) == 1 == len(verdicts) - verdicts.count("within interval"),
                      f"README.md counts one interval in the overlay's favour and none against; the results have "
                      f"{', '.join(ahead) or 'none'} in favour, {len(verdicts) - verdicts.count('within interval') - len(ahead)} against"),
-                    _says(tree, Path("README.md"), said)])
+                    _readme_says(tree, r"Of the \d+ intervals \(.*?\), \d+ contain 1 and [^(]*\([^)]*\)", said)])
 
 
 def _build_saving(tree: Tree) -> list[str]:
@@ -234,10 +232,13 @@ def _build_saving(tree: Tree) -> list[str]:
     (c1,) = [w for w in tree.results(BASES)["workloads"] if w["name"] == "512x128-c1"]
     tpot = [statistics.median(r["sides"][side]["stats"]["tpot_s"] for r in c1["rounds"]) for side in bench.SIDES]
     saved = round(bs1["host_us_stock"] - bs1["host_us_overlay"])
-    cited = (f"saves about {saved} µs a decode step", f"({bs1['host_us_stock']} → {bs1['host_us_overlay']} µs",
-             f"TPOT {1e6 * (tpot[1] - tpot[0]):.0f} µs longer on 0.33.0 at concurrency 1 "
-             f"({1e3 * tpot[0]:.2f} → {1e3 * tpot[1]:.2f} ms)")
-    return _failed([_says(tree, doc, phrase) for doc in (Path("README.md"), BASES / "README.md") for phrase in cited])
+    cited = {r"saves about \d+ µs a decode step": f"saves about {saved} µs a decode step",
+             r"\([\d.]+ → [\d.]+ µs": f"({bs1['host_us_stock']} → {bs1['host_us_overlay']} µs",
+             r"TPOT \d+ µs longer on 0\.33\.0 at concurrency 1 \([\d.]+ → [\d.]+ ms\)":
+                 f"TPOT {1e6 * (tpot[1] - tpot[0]):.0f} µs longer on 0.33.0 at concurrency 1 "
+                 f"({1e3 * tpot[0]:.2f} → {1e3 * tpot[1]:.2f} ms)"}
+    return _failed([check for pattern, phrase in cited.items()
+                    for check in (_says(tree, BASES / "README.md", phrase), _readme_says(tree, pattern, phrase))])
 
 
 # -- the rebase report and the H200's inventory -------------------------------------------------------

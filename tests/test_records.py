@@ -109,6 +109,23 @@ def test_problems_name_what_differs_from_the_readme(tmp_path):
         records.extract(record, tmp_path / "out")
 
 
+def test_the_section_says_which_receipts_the_run_ran_and_a_hand_edit_is_found(tmp_path):
+    record = _record(tmp_path)
+    receipt = json.dumps({"schema": 1, "files": [], "manifest_sha256": "ab" * 32, "vllm_version": "0.33.0"}).encode()
+    (record / "receipt.json").write_bytes(receipt)
+    (record / "results.json").write_text(json.dumps({"environment": {"builds": {
+        "A": {"versions": {"vllm": "0.33.0"}}, "B": {"versions": {"vllm": "0.33.0", "overlay_receipt_sha256": "cd" * 32}}}}}))
+    records.pack(record)
+    readme = record / "README.md"
+    text = readme.read_text()
+    assert f"- `receipt.json`: vLLM 0.33.0, receipt sha256 `{records.sha256(receipt)}`, overlay manifest sha256 `{'ab' * 32}`\n" in text
+    assert f"- `results.json` build B: vLLM 0.33.0, receipt sha256 `{'cd' * 32}`\n" in text
+    assert "build A" not in text  # stock: no overlay, no receipt
+    readme.write_text(text.replace(f"receipt sha256 `{'cd' * 32}`", f"receipt sha256 `{'ef' * 32}`"))
+    (problem,) = records.problems(record)
+    assert "its raw-data section is not what `pack` writes for raw.tar.xz" in problem
+
+
 def test_extract_writes_every_member_and_never_over_a_file(tmp_path):
     record = _record(tmp_path)
     records.pack(record)
