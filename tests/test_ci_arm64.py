@@ -36,7 +36,8 @@ SHELL_STUB = '#!/usr/bin/env bash\necho "{name} $*" >> "$CI_CALLS"\nexit "${{CI_
 PYTHON_STUB = ('import os, sys\nwith open(os.environ["CI_CALLS"], "a") as f:\n'
                '    f.write(" ".join(["{name}", *sys.argv[1:]]) + "\\n")\n'
                'sys.exit(int(os.environ.get("CI_EXIT_{var}", "0")))\n')
-HELPERS = ["install_docker.sh", "install_qemu.sh", "bootstrap_base_image.sh", "test.py", "build_arm64.py"]
+HELPERS = ["install_docker.sh", "install_qemu.sh", "bootstrap_base_image.sh", "test.py", "build_arm64.py",
+           "release_check.py"]
 
 
 def _var(name: str) -> str:
@@ -90,6 +91,22 @@ def test_ci_runs_the_arm64_step_after_failed_tests_and_keeps_their_exit_code(tmp
     done, calls = run_ci(tmp_path, test=3)
     assert done.returncode == 3, done.stderr
     assert any(call.startswith("build_arm64.py") for call in calls)
+
+
+def test_ci_runs_the_release_check_last_and_only_as_the_commit_asks(tmp_path):
+    done, calls = run_ci(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert calls[-1] == "release_check.py --if-records-changed"  # it decides from git whether it is due
+    assert _index(calls, "build_arm64.py") < len(calls) - 1
+
+
+def test_ci_fails_when_the_release_check_fails_and_still_builds_arm64(tmp_path):
+    done, calls = run_ci(tmp_path, release_check=1)
+    assert done.returncode == 1 and "release check: exit 1" in done.stderr
+    assert any(call.startswith("build_arm64.py") for call in calls)
+    (tmp_path / "again").mkdir()
+    done, calls = run_ci(tmp_path / "again", test=3, release_check=1)
+    assert done.returncode == 3 and any(call.startswith("release_check.py") for call in calls)
 
 
 def test_ci_stops_before_any_build_when_qemu_cannot_be_installed(tmp_path):

@@ -24,8 +24,6 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "h200_validation.sh"
 OLD = load_recipe(vllm="0.24.0")
 NEW = load_recipe(vllm="0.33.0")
-# The H200 environment as the latest H200 run recorded it (python, torch, triton).
-RECORDED = REPO / "docs" / "validation" / "h200-2026-11-30-overlay-f1d4805b" / "environment.txt"
 
 pytestmark = pytest.mark.skipif(os.environ.get("DSA_IMAGE_IN_IMAGE") == "1",
                                 reason="reads the locks and docs the image does not carry")
@@ -106,13 +104,6 @@ def test_torch_of_the_h200_counts_as_the_lock_pin_without_its_local_label():
 # --- the H200's environment, as the inventory phase recorded it ------------------------------
 
 RECORD = stage.read_record(stage.H200_RECORD)
-
-
-def test_the_record_agrees_with_what_the_h200_runs_recorded():
-    python, _, torch, _, triton = RECORDED.read_text().splitlines()[2].split()
-    assert python.startswith(stage.PYTHON + ".")
-    assert stage.has(RECORD, "torch", torch.split("+")[0]) and RECORD["triton"] == triton
-    assert "vllm" not in RECORD and "b12x" not in RECORD  # what every run brings
 
 
 def test_the_0_24_selection_brings_the_locks_versions_of_what_the_h200_lacks_and_not_its_torch():
@@ -255,7 +246,7 @@ def test_the_command_line_plans_without_downloading(capsys):
     out = capsys.readouterr().out
     count = len(stage.plan(NEW, RECORD))
     assert out.startswith(f"vLLM 0.33.0: {count} wheels to stage, against the H200's recorded `pip list` "
-                          "(docs/validation/h200-pip-freeze.txt)")
+                          "(recipes/hosts/h200-pip-freeze.txt)")
     assert "torch==2.14.0  # the H200 has 2.11.0" in out
 
 

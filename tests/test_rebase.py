@@ -706,16 +706,10 @@ def test_every_conflict_is_placed_in_a_change_and_the_rest_is_listed(real):
             assert f"{hunk['hunk']} (clean; ours lines {rebase._span_words(hunk['ours'])})" in markdown
 
 
-@pytest.mark.wheel
-def test_the_committed_report_is_what_the_tool_writes_now(tmp_path):
-    """docs/rebase/vllm-0.24.0-to-0.33.0 is current: regenerate it with the command it names
-    after any overlay or changes.toml edit."""
+def test_the_committed_report_names_its_command_and_its_markdown_is_its_json():
+    """docs/rebase/vllm-0.24.0-to-0.33.0 is a record: that it is what the tool writes from
+    today's overlays is the release check's (`scripts/release_check.py --check rebase`)."""
     committed = json.loads((REPORT_DIR / "report.json").read_text())
     assert committed["command"] == (f"python3 scripts/overlay.py rebase --vllm 0.24.0 --to 0.33.0 "
                                     f"--report-dir {REPORT_DIR.relative_to(REPO)}")
-    code = rebase.main(["--vllm", "0.24.0", "--to", "0.33.0", "--out", str(tmp_path / "out")])
-    fresh = json.loads((tmp_path / "out" / "report.json").read_text())
-    fresh["command"] = committed["command"]  # this run was not told to write into docs/
-    assert code == committed["exit_code"]
-    assert fresh == committed, f"regenerate: {committed['command']}"
     assert (REPORT_DIR / "report.md").read_text() == rebase.render_markdown(committed)

@@ -133,14 +133,15 @@ def test_expected_backends_come_from_the_recipe_target(target, capability, atten
     assert expect.backend_problems(log, expected) == []
 
 
-H200_RUN = Path(__file__).resolve().parents[1] / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run2"
+# Excerpts of the second 0.33.0 H200 run's server logs (tests/data/excerpts.toml).
+H200_RUN2 = Path(__file__).resolve().parent / "data" / "h200-vllm0_33_0-run2-"
 
 
 @pytest.mark.parametrize("log_name", ["smoke-server.log", "server-overlay.log"])
 def test_a_recorded_h200_log_of_vllm_0_33_meets_that_bases_expectations(log_name):
     """The server logs of the H200 run: 0.33.0's sm90 target expects what it logged; 0.24.0's
     (the run's smoke failure, before the base followed the environment) names the difference."""
-    log = (H200_RUN / log_name).read_text()
+    log = Path(f"{H200_RUN2}{log_name}").read_text()
     on_033 = expect.expected_for(load_recipe(vllm="0.33.0").target("sm90"), (9, 0))
     assert expect.backend_problems(log, on_033) == []
     on_024 = expect.expected_for(load_recipe(vllm="0.24.0").target("sm90"), (9, 0))

@@ -3,7 +3,8 @@ rank's `world_size=W rank=R ...` line, the TP/PP assignment of each node's first
 (`logger.info_once`, scope "local"), the workers' names in vLLM's prefix, and Ray's own prefix
 on the lines it forwards. The lines follow the formats of vLLM 0.33.0's source (vllm/logger.py
 `_FORMAT`, distributed/parallel_state.py, v1/executor/multiproc_executor.py) and the real
-single-GPU 0.33.0 log in docs/validation/h200-2026-11-30-vllm0_33_0-run2/smoke-server.log."""
+single-GPU 0.33.0 log of the H200 run docs/validation/h200-2026-11-30-vllm0_33_0-run2 (its
+smoke-server.log, excerpted in tests/data/)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ import pytest
 from dsa_image.smoke.layout import (Layout, layout_problems, logged_layout, logged_ranks, started_ranks,
                                     summary, worker_names)
 
-RUN2_LOG = (Path(__file__).resolve().parent.parent / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run2"
-            / "smoke-server.log")
+RUN2_LOG = Path(__file__).resolve().parent / "data" / "h200-vllm0_33_0-run2-smoke-server.log"
 STAMP = "INFO 12-01 10:00:00"
 
 
@@ -111,7 +111,6 @@ def test_a_log_of_another_layout_is_named(layout, log, problem):
     assert any(problem in p for p in problems), problems
 
 
-@pytest.mark.skipif(not RUN2_LOG.exists(), reason="the recorded H200 logs are not in this copy (image test stage)")
 def test_the_real_vllm_0_33_0_single_gpu_log_passes_and_names_its_rank_both_ways():
     log = RUN2_LOG.read_text()
     assert layout_problems(log, Layout(), None) == []

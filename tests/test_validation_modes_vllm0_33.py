@@ -2,7 +2,7 @@
 
 Both were written against vLLM 0.24.0 and first meet 0.33.0 on the H200 in the `mtp`,
 `longctx`, `deploy` and `warmstart` phases. What differs, read from the H200's 0.33.0 logs
-(docs/validation/h200-2026-11-30-vllm0_33_0-run2) and the 0.33.0 sources:
+(docs/validation/h200-2026-11-30-vllm0_33_0-run2, excerpted in tests/data/) and the 0.33.0 sources:
 
 - the attention backend of the bf16 modes is FLASH_ATTN_MLA_SPARSE, of the fp8_ds_mla modes
   still FLASHMLA_SPARSE (the only sm_90 backend that takes that dtype);
@@ -14,6 +14,7 @@ Both were written against vLLM 0.24.0 and first meet 0.33.0 on the H200 in the `
   wording.
 
 The tests that read the 0.33.0 wheel skip where it is not in the wheel cache (dsa_image.wheels).
+What the runs of 0.33.0 served, re-judged from their records, is tests/test_validation_records.py.
 """
 
 from __future__ import annotations
@@ -35,20 +36,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bench import fake_vllm_site, free_ports, tiny_model  # noqa: E402,F401 (tiny_model: a fixture)
 from test_validation_vllm_base import fake_site  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-RUN2 = REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run2"
-RUN1 = REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0"
-# The first served MTP, 64k and fp8 KV runs of 0.33.0, and its warm start.
-RUN4 = REPO / "docs" / "validation" / "h200-2026-12-01-vllm0_33_0-run4"
-# The image's first start, and the benchmark of the same session.
-RUN5 = REPO / "docs" / "validation" / "h200-2026-12-01-vllm0_33_0-run5"
-BENCHMARKS = REPO / "docs" / "benchmarks"
-RECIPES_0_24 = REPO / "docs" / "validation" / "h200-2026-11-30-overlay-f1d4805b" / "recipes"
-TOOLCHAIN_0_24 = REPO / "docs" / "validation" / "h200-2026-11-30-overlay-c2b8469b" / "toolchain-server.log"
+# Excerpts of H200 logs (tests/data/excerpts.toml): the second 0.33.0 run's, and two of 0.24.0.
+DATA = Path(__file__).resolve().parent / "data"
+RUN2 = DATA / "h200-vllm0_33_0-run2-"
+RECIPE_0_24 = DATA / "h200-overlay-f1d4805b-recipe-glm-5-fp8-8xb200.log"
+TOOLCHAIN_0_24 = DATA / "h200-overlay-c2b8469b-toolchain-server.log"
 WHEEL_0_33 = wheel_cache_path("vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl")
 
 # The serve phase's servers: bf16 KV cache, no MTP (no mode of serving_modes is exactly that).
 PLAIN = serving_modes.Mode("plain", "base", 8192, serving.PROMPT_LENGTHS, 24)
+
+
+def run2(name: str) -> Path:
+    return Path(f"{RUN2}{name}")
 
 
 def _logged(stock: Path, overlay: Path) -> dict:
@@ -59,7 +59,7 @@ def _logged(stock: Path, overlay: Path) -> dict:
 
 
 def test_the_h200_logs_of_0_33_show_the_paths_expected_for_0_33_and_not_0_24s():
-    logged = _logged(RUN2 / "server-stock_a.log", RUN2 / "server-overlay.log")
+    logged = _logged(run2("server-stock_a.log"), run2("server-overlay.log"))
     on_0_33 = serving_modes.paths_report("0.33.0", PLAIN, logged)
     assert on_0_33["as_expected"] is True, on_0_33["differences"]
     assert on_0_33["logged"]["overlay"] == {"attention_backend": ["FLASH_ATTN_MLA_SPARSE"],
@@ -71,69 +71,9 @@ def test_the_h200_logs_of_0_33_show_the_paths_expected_for_0_33_and_not_0_24s():
         "attention backend ['FLASH_ATTN_MLA_SPARSE'], expected FLASHMLA_SPARSE"]
 
 
-RUN4_MODES = {"mtp2": "mtp", "mtp3": "mtp", "long-bf16": "longctx", "long-fp8": "longctx",
-              "fp8": "deploy", "long-fp8-mtp3": "deploy"}
-
-
-@pytest.mark.parametrize("mode", sorted(RUN4_MODES))
-def test_each_mode_served_on_0_33_ran_the_paths_it_was_meant_to_cover(mode):
-    # Re-judged from the recorded server logs alone, not from the run's own verdict.
-    phase = RUN4 / RUN4_MODES[mode]
-    logged = _logged(phase / f"server-{mode}-stock.log", phase / f"server-{mode}-overlay.log")
-    report = serving_modes.paths_report("0.33.0", serving_modes.MODES[mode], logged)
-    assert report["as_expected"] is True, report["differences"]
-    assert all(facts["errors"] == [] for facts in logged.values())
-    recorded = json.loads((phase / "serving-modes.json").read_text())["modes"][mode]
-    assert recorded["ok"] and serving.same_outputs(recorded["stock_vs_overlay"])
-
-
-def test_the_mtp_phase_of_0_33_covered_the_flattened_and_the_native_decode_path():
-    decode = {mode: _logged(RUN4 / "mtp" / f"server-{mode}-overlay.log", RUN4 / "mtp" / f"server-{mode}-stock.log")
-              for mode in ("mtp2", "mtp3")}
-    paths = {mode: serving_modes.logged_paths(logged["overlay"])["decode"] for mode, logged in decode.items()}
-    assert paths == {"mtp2": [{"next_n": 3, "flattened": True}], "mtp3": [{"next_n": 4, "flattened": False}]}
-
-
-def _seconds(line: str) -> int:
-    hours, minutes, seconds = re.search(r" (\d\d):(\d\d):(\d\d) ", line).groups()
-    return 3600 * int(hours) + 60 * int(minutes) + int(seconds)
-
-
-# Every server log of the fourth and fifth runs and of every benchmark (0.24.0's servers of the
-# bases benchmark included).
-FROM_THE_IMAGES_HOME = [*sorted(RUN4.glob("*/server-*.log")), *sorted(RUN5.glob("*/server-*.log")),
-                        *sorted(BENCHMARKS.glob("**/server-*.log"))]
-
-
-@pytest.mark.parametrize("log", FROM_THE_IMAGES_HOME, ids=lambda path: f"{path.parent.name}/{path.name}")
-def test_servers_started_from_the_images_home_resolve_their_model_classes_at_once(log):
-    # The model info the image ships was in each HOME: no 42-44 s inspection per class, as the
-    # 8x B200 recipe's server with an empty cache spent (run3).
-    lines = log.read_text(errors="replace").splitlines()
-    banner = next(line for line in lines if "non-default args:" in line)
-    resolved = [line for line in lines if "Resolved architecture:" in line]
-    assert resolved and all(_seconds(line) - _seconds(banner) <= 1 for line in resolved)
-
-
-def test_the_recipe_server_with_an_empty_cache_took_tens_of_seconds_per_class():
-    lines = (REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run3" / "recipe-glm-5-fp8-8xb200.log"
-             ).read_text(errors="replace").splitlines()
-    banner = next(line for line in lines if "[startup.py:" in line)
-    resolved = [_seconds(line) for line in lines if "Resolved architecture:" in line]
-    assert [later - earlier for earlier, later in zip([_seconds(banner), *resolved], resolved)] == [42, 44]
-
-
-@pytest.mark.parametrize("log", sorted((REPO / "docs" / "validation").glob("h200-2026-11-30-overlay-*/serving-server-*.log")),
-                         ids=lambda path: f"{path.parent.name}/{path.name}")
-def test_the_h200_logs_of_0_24_show_the_paths_expected_for_0_24_and_not_0_33s(log):
-    logged = {"server": serving_modes.log_facts(str(log))}
-    assert serving_modes.paths_report("0.24.0", PLAIN, logged)["as_expected"] is True
-    assert serving_modes.paths_report("0.33.0", PLAIN, logged)["as_expected"] is False
-
-
 def test_a_0_24_h200_log_of_mtp_3_with_fp8_is_as_expected_for_0_24_only():
     # vLLM 0.24.0, MTP 3, --kv-cache-dtype fp8, --attention-backend FLASHMLA_SPARSE.
-    facts = serving_modes.log_facts(str(RECIPES_0_24 / "glm-5-fp8-8xb200.log"))
+    facts = serving_modes.log_facts(str(RECIPE_0_24))
     mode = serving_modes.Mode("recipe", "mtp", 8192, (1,), 1, spec_tokens=3, kv_cache_dtype="fp8")
     assert serving_modes.paths_report("0.24.0", mode, {"overlay": facts})["as_expected"] is True
     on_0_33 = serving_modes.paths_report("0.33.0", mode, {"overlay": facts})
@@ -144,7 +84,7 @@ def test_a_0_24_h200_log_of_mtp_3_with_fp8_is_as_expected_for_0_24_only():
 def test_log_facts_read_0_33s_fp8_and_named_backend_lines():
     # vLLM 0.33.0, --kv-cache-dtype fp8 --attention-backend FLASHMLA_SPARSE: "Using
     # AttentionBackendEnum.FLASHMLA_SPARSE backend.", which "Using X attention backend" missed.
-    facts = serving_modes.log_facts(str(RUN2 / "recipe-glm-5-fp8-8xb200.log"))
+    facts = serving_modes.log_facts(str(run2("recipe-glm-5-fp8-8xb200.log")))
     assert facts["attention_backend"] == ["FLASHMLA_SPARSE"]
     assert facts["kv_cache_dtype"] == ["fp8"] and facts["kv_cache_format"] == ["fp8_ds_mla"]
     assert facts["errors"] == []  # its traceback came after the harness's SIGTERM
@@ -153,14 +93,14 @@ def test_log_facts_read_0_33s_fp8_and_named_backend_lines():
 def test_an_fp8_ds_mla_server_logs_its_dtype_though_not_a_format():
     # --kv-cache-dtype fp8_ds_mla is no alias, so mla_attention.py logs no "KV cache format";
     # config/cache.py logs the dtype (the line of the 0.33.0 recipe run, with the modes' dtype).
-    line = next(line for line in (RUN2 / "recipe-glm-5-fp8-8xb200.log").read_text().splitlines()
+    line = next(line for line in (run2("recipe-glm-5-fp8-8xb200.log")).read_text().splitlines()
                 if "data type to store kv cache" in line).replace("Using fp8 data", "Using fp8_ds_mla data")
     facts = {name: pattern.findall(line) for name, pattern in serving_modes.LOG_FACTS.items()}
     assert facts["kv_cache_dtype"] == ["fp8_ds_mla"] and facts["kv_cache_format"] == []
 
 
 def test_the_overlays_warmup_and_indexer_lines_are_facts():
-    logged = _logged(RUN2 / "server-stock_a.log", RUN2 / "server-overlay.log")
+    logged = _logged(run2("server-stock_a.log"), run2("server-overlay.log"))
     assert logged["stock"]["jit_warmup_keys"] == ["2"] and logged["overlay"]["jit_warmup_keys"] == ["65"]
     assert logged["stock"]["indexer_kernels"] == [] and logged["overlay"]["indexer_kernels"] == ["deepgemm"]
     assert logged["stock"]["block_table_growth"] == logged["overlay"]["block_table_growth"] == []
@@ -198,7 +138,7 @@ def test_the_flattened_decode_path_has_a_mode_on_every_base():
 
 def test_no_record_no_judgement():
     assert serving_modes.expected_on_h200("0.99.0", serving_modes.MODES["mtp3"]) is None
-    logged = {"stock": serving_modes.log_facts(str(RUN2 / "server-stock_a.log"))}
+    logged = {"stock": serving_modes.log_facts(str(run2("server-stock_a.log")))}
     report = serving_modes.paths_report(None, PLAIN, logged)
     assert "as_expected" not in report and "not judged" in serving_modes.paths_summary(report)
 
@@ -293,13 +233,13 @@ def test_modes_or_model_info_only_is_required(tmp_path, capsys):
 
 
 def test_a_cold_0_33_start_shows_flashinfers_sampling_build_before_healthy():
-    log = RUN2 / "server-overlay.log"
+    log = run2("server-overlay.log")
     healthy = log.read_bytes().index(b'"GET /health HTTP/1.1" 200')
     before = warmstart.compiled_between({"log": str(log)}, 0, healthy)
     after = warmstart.compiled_between({"log": str(log)}, healthy)
     assert before["flashinfer_jit_builds"] == ["sampling"] and after["flashinfer_jit_builds"] == []
     assert after["triton_jit"] == {"fused_moe_kernel": 1} and after["other_jit"] == {}
-    stock = warmstart.compiled_between({"log": str(RUN2 / "server-stock_a.log")}, 0)
+    stock = warmstart.compiled_between({"log": str(run2("server-stock_a.log"))}, 0)
     assert stock["triton_jit"] == {"BuildPrefillChunkMetadataKernel": 1, "fused_moe_kernel": 1}
 
 
@@ -322,7 +262,7 @@ def test_deepgemm_compiler_runs_are_counted_in_both_bases_wordings(tmp_path):
 
 
 def test_other_runtimes_jit_lines_are_not_taken_for_triton_kernels(tmp_path):
-    triton = next(line for line in (RUN2 / "server-stock_a.log").read_text().splitlines()
+    triton = next(line for line in (run2("server-stock_a.log")).read_text().splitlines()
                   if "BuildPrefillChunkMetadataKernel.kernel" in line)
     # vLLM 0.33.0's _handle_jit_event, backend="CuTeDSL", event="JIT compilation".
     cute = triton.replace("Triton kernel JIT compilation during inference: BuildPrefillChunkMetadataKernel.kernel",

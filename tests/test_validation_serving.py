@@ -88,23 +88,24 @@ def test_the_serving_verdict_passes_empty_text_and_fails_no_tokens_or_other_text
     assert not serving.verdict(_report(jit_during_inference={"overlay": ["_build_prefill_chunk_metadata_kernel"]}))
 
 
-VALIDATION = Path(__file__).resolve().parent.parent / "docs" / "validation"
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def _jit_report(run: str) -> dict:
-    """_report() with the kernels the H200's servers of `run` compiled during inference."""
+    """_report() with the kernels the H200's servers of `run` compiled during inference (excerpts
+    of their logs: tests/data/excerpts.toml)."""
     return _report(jit_during_inference={name: serving.jit_kernels_during_inference(
-        str(VALIDATION / run / f"server-{name}.log")) for name in ("stock_a", "stock_b", "overlay")})
+        str(DATA / f"h200-vllm0_33_0-{run}-server-{name}.log")) for name in ("stock_a", "stock_b", "overlay")})
 
 
 def test_the_verdict_knows_0_33s_prefill_chunk_kernel():
     # vLLM 0.33.0's kernel is the class BuildPrefillChunkMetadataKernel ("....kernel" in the JIT
     # monitor's line). The first 0.33.0 run's overlay, before its warm-up registered the kernel,
     # compiled it during inference; the second run's did not.
-    first = _jit_report("h200-2026-11-30-vllm0_33_0")
+    first = _jit_report("run1")
     assert "BuildPrefillChunkMetadataKernel" in first["jit_during_inference"]["overlay"]
     assert not serving.verdict(first)
-    second = _jit_report("h200-2026-11-30-vllm0_33_0-run2")
+    second = _jit_report("run2")
     assert second["jit_during_inference"]["overlay"] == ["fused_moe_kernel"] and serving.verdict(second)
 
 

@@ -1,5 +1,5 @@
 """The benchmark, the image's warm-up and the serving-recipe validation against vLLM 0.33.0's facts,
-on the CPU: the real H200 logs of vLLM 0.33.0 committed under docs/validation/ (always here), and
+on the CPU: excerpts of the real H200 logs of vLLM 0.33.0 (tests/data/, from docs/validation/), and
 the source of the vLLM wheels in the wheel cache (`scripts/recipe.py lock` puts them there; tests
 that read a wheel skip where it is absent). Every check of a wheel runs for 0.24.0 too: both bases
 are served by the same harnesses.
@@ -30,8 +30,15 @@ from dsa_image.validation import serving
 from dsa_image.wheels import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
-RUN2 = REPO / "docs" / "validation" / "h200-2026-11-30-vllm0_33_0-run2"
-RECIPE_LOG = RUN2 / "recipe-glm-5-fp8-8xb200.log"
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def run2(name: str) -> Path:
+    """The excerpt of a log of the second 0.33.0 H200 run (docs/validation/h200-2026-11-30-vllm0_33_0-run2)."""
+    return DATA / f"h200-vllm0_33_0-run2-{name}"
+
+
+RECIPE_LOG = run2("recipe-glm-5-fp8-8xb200.log")
 BASES = ("0.24.0", "0.33.0")
 # The GPU machine's limit on one command of a validation session: at most 10 minutes (docs/validation/README.md).
 DEVICE_CALL_S = 600
@@ -68,7 +75,7 @@ def test_the_recipe_timeout_outlasts_a_cold_0_33_mtp_start_and_fits_in_a_device_
     stopped = stamp(first_line(RECIPE_LOG, "[shutdown] EngineCore: trigger received signal=SIGTERM"))
     started = stopped - dt.timedelta(seconds=RUN2_RECIPE_TIMEOUT_S)
     to_jit = (stamp(first_line(RECIPE_LOG, SAMPLER_JIT)) - started).total_seconds()
-    smoke = RUN2 / "smoke-server.log"
+    smoke = run2("smoke-server.log")
     jit_to_healthy = (stamp(first_line(smoke, "Starting vLLM server on"))
                       - stamp(first_line(smoke, SAMPLER_JIT))).total_seconds()
     assert (to_jit, jit_to_healthy) == (179, 169)
@@ -151,16 +158,16 @@ def test_the_8xb200_recipe_scaled_down_is_what_0_33_accepted():
 def test_the_routes_the_harnesses_use_are_0_33s():
     """bench (/v1/completions streamed, /metrics), the warm-up (/health, /v1/models,
     /v1/completions, /metrics) and the recipe validation (/v1/chat/completions too)."""
-    routes = set(re.findall(r"Route: (\S+), Methods", (RUN2 / "smoke-server.log").read_text()))
+    routes = set(re.findall(r"Route: (\S+), Methods", run2("smoke-server.log").read_text()))
     assert {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"} <= routes
 
 
 def test_the_jit_monitor_lines_of_0_33_are_read():
     """vLLM 0.33.0 names a class's kernel "BuildPrefillChunkMetadataKernel.kernel"; the bench
     records the kernels compiled during inference by name."""
-    assert serving.jit_kernels_during_inference(str(RUN2 / "server-stock_a.log")) == [
+    assert serving.jit_kernels_during_inference(str(run2("server-stock_a.log"))) == [
         "BuildPrefillChunkMetadataKernel", "fused_moe_kernel"]
-    assert serving.jit_kernels_during_inference(str(RUN2 / "server-overlay.log")) == ["fused_moe_kernel"]
+    assert serving.jit_kernels_during_inference(str(run2("server-overlay.log"))) == ["fused_moe_kernel"]
 
 
 def test_the_warmups_health_wait_outlasts_the_cold_0_33_starts_logged():
@@ -172,9 +179,9 @@ def test_the_warmups_health_wait_outlasts_the_cold_0_33_starts_logged():
 
     longest = 0.0
     for name in ("server-stock_a.log", "server-stock_b.log", "server-overlay.log", "smoke-server.log"):
-        lines = (RUN2 / name).read_text(errors="replace").splitlines()
+        lines = run2(name).read_text(errors="replace").splitlines()
         first = next(line for line in lines if _STAMP.search(line))
-        longest = max(longest, (stamp(first_line(RUN2 / name, "Starting vLLM server on")) - stamp(first)).total_seconds())
+        longest = max(longest, (stamp(first_line(run2(name), "Starting vLLM server on")) - stamp(first)).total_seconds())
     assert 200 < longest < 300
     health_timeout = inspect.signature(warmup.supervise).parameters["health_timeout_s"].default
     assert health_timeout >= 10 * longest and warmup.Settings().timeout_s >= 1800

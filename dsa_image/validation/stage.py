@@ -6,7 +6,7 @@ files and what it names in `carry`. The wheels travel as one tarball in parts un
 for beside the repository (`part_bytes`), and scripts/h200_validation.sh reassembles them in /tmp/stage-X.Y.Z.
 
 What the H200 has: its Python's ``pip list --format=freeze``, as the `inventory` phase of
-scripts/h200_validation.sh recorded it (`H200_RECORD`, docs/validation/h200-pip-freeze.txt; the
+scripts/h200_validation.sh recorded it (`H200_RECORD`, recipes/hosts/h200-pip-freeze.txt; the
 header says when and where). Staging selects against that record; the inventory phase, the
 first call of a session, checks on the device that the record still holds there and that the
 bundle and the H200 together cover every pin of the base (`--check-freeze`).
@@ -33,7 +33,7 @@ from dsa_image import lock, wheels
 from dsa_image.recipe import Recipe, RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
-H200_RECORD = REPO / "docs" / "validation" / "h200-pip-freeze.txt"
+H200_RECORD = REPO / "recipes" / "hosts" / "h200-pip-freeze.txt"
 ARCH = "amd64"
 EXTRAS_TARGET = "sm120"  # its lock adds b12x to the common set (the CuTe DSL is in both)
 CARRY_LIMIT = 64 * 2**20  # the device tool's limit on one call's files

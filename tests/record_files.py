@@ -1,0 +1,41 @@
+"""The committed records' raw files, for the tests that re-derive a record's tables and claims
+from its raw data: each record's raw.tar.xz unpacked once per test process (checked against the
+sha256 its README cites) into a temporary directory. Parsers' fixtures are not read from here:
+they are excerpts in tests/data/ (tests/data/excerpts.toml says which)."""
+
+from __future__ import annotations
+
+import atexit
+import fnmatch
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+from dsa_image import records
+
+REPO = Path(__file__).resolve().parent.parent
+VALIDATION = REPO / "docs" / "validation"
+BENCHMARKS = REPO / "docs" / "benchmarks"
+
+
+@functools.cache
+def _root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="dsa-image-records-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
+
+
+@functools.cache
+def unpacked(record: Path) -> Path:
+    """A directory holding `record`'s raw files under their names in its archive."""
+    dest = _root() / record.relative_to(REPO)
+    records.extract(record, dest)
+    return dest
+
+
+def listed(record: Path, pattern: str = "*") -> list[str]:
+    """The raw files `record`'s README lists whose names match `pattern` (no unpacking: for
+    parametrising at collection)."""
+    claim = records.cited((record / records.README).read_text(), str(record))
+    return sorted(m.name for m in claim.members if fnmatch.fnmatchcase(m.name, pattern))
