@@ -120,7 +120,7 @@ def copy_recipe(tmp_path: Path, edit=lambda text: text) -> Path:
     (lambda t: t.replace(f'default = "{RECIPE.default_vllm}"', 'default = "0.25.0"'),
      "vllm.default '0.25.0' is not one of the pinned"),
     (lambda t: t.replace('[vllm."0.33.0".b12x]', '[vllm."0.33.0".flashinfer]'),
-     '[vllm."0.33.0"] has flashinfer: a base pins only wheels, cuda and the extras its targets name (b12x), '
+     '[vllm."0.33.0"] has flashinfer: a base pins only wheels, cuda, sdist and the extras its targets name (b12x), '
      'and adjusts [targets.*] keys'),
     (lambda t: t.replace('[vllm."0.33.0".targets.sm90]', '[vllm."0.33.0".targets.sm75]'),
      'vllm."0.33.0".targets.sm75: adjusts no shared target; targets: sm120, sm100, sm90'),
@@ -172,7 +172,7 @@ def test_lock_jobs_layout():
     outputs = [str(job.output) for job in lock.lock_jobs(older)]
     assert outputs == ["recipes/locks/vllm-0.24.0/vllm-amd64.txt", "recipes/locks/vllm-0.24.0/vllm-arm64.txt",
                        "recipes/locks/vllm-0.24.0/sm120-amd64.txt", "recipes/locks/vllm-0.24.0/sm120-arm64.txt",
-                       "recipes/locks/dev.txt"]
+                       "recipes/locks/dev.txt", "recipes/locks/upstream-tests.txt"]
     sm120 = next(j for j in lock.lock_jobs(older) if str(j.output) == "recipes/locks/vllm-0.24.0/sm120-arm64.txt")
     argv = lock.uv_command(sm120, "3.11", "uv")
     assert argv[argv.index("--python-platform") + 1] == "aarch64-manylinux_2_28"
@@ -181,5 +181,8 @@ def test_lock_jobs_layout():
     assert argv[argv.index("--custom-compile-command") + 1] == "python3 scripts/recipe.py lock --vllm 0.24.0"
     assert argv[argv.index("--index-url") + 1] == "https://pypi.org/simple" and "--no-config" in argv
     newer = lock.lock_jobs(load_recipe(vllm="0.33.0"))
-    assert [str(j.output) for j in newer][-1] == "recipes/locks/dev.txt"  # every base resolves the one dev lock
+    # every base resolves the one dev lock and the one lock of upstream's test packages
+    assert [str(j.output) for j in newer][-2:] == ["recipes/locks/dev.txt", "recipes/locks/upstream-tests.txt"]
+    upstream = lock.uv_command(newer[-1], "3.11", "uv")
+    assert "--no-deps" in upstream and "--universal" in upstream  # exactly the recipe's packages
     assert all(j.overrides is None for j in newer)  # b12x 1.5.1 needs no torch override
