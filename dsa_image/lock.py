@@ -742,10 +742,13 @@ def online_problems(recipe: Recipe, root: Path = REPO_ROOT, paths: list[Path] | 
                             f"expected {entry.sha256}, the sha256 {index_url.rstrip('/')}/{VLLM}/ lists for "
                             f"{wheel.filename}; {regenerate}")
     sdist = vllm_files.get(recipe.sdist.filename)
-    if sdist is None or sdist.sha256 != recipe.sdist.sha256:
-        listed_as = f"the index lists {sdist.sha256}" if sdist else f"{index_url.rstrip('/')}/{VLLM}/ does not list it"
+    if sdist is None:
+        problems.append(f"{_shown(recipe.path)}: {recipe.sdist.filename} ([vllm.\"{recipe.vllm_version}\".sdist]) is not "
+                        f"listed by {index_url.rstrip('/')}/{VLLM}/; fix the filename, then {regenerate}")
+    elif sdist.sha256 != recipe.sdist.sha256:
         problems.append(f"{_shown(recipe.path)}: vllm.\"{recipe.vllm_version}\".sdist.sha256 is "
-                        f"{recipe.sdist.sha256 or '(empty)'} for {recipe.sdist.filename}, {listed_as}; {regenerate}")
+                        f"{recipe.sdist.sha256 or '(empty)'}, expected {sdist.sha256}, the sha256 "
+                        f"{index_url.rstrip('/')}/{VLLM}/ lists for {recipe.sdist.filename}; {regenerate}")
     for path, pins in scans.items():
         for pin in pins:
             problems += _release_problems(path, pin, listed[pin.name], index_url, regenerate)
