@@ -10,8 +10,11 @@ upstream-overlay stages (tests/test_image.py reads their results).
 
 from __future__ import annotations
 
+import ast
 import io
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -176,7 +179,7 @@ def test_the_pinned_sdist_is_rehashed_on_every_use_and_a_changed_one_refused(tmp
     with pytest.raises(wheels.WheelError, match=f"cached file has sha256 .*, the recipe pins {base.sdist.sha256}"):
         ut.pinned_sdist(base)
     done = subprocess.run([sys.executable, str(SCRIPT), "select", "--vllm", base.vllm_version],
-                          capture_output=True, text=True, env={**__import__("os").environ, "DSA_IMAGE_CACHE": str(tmp_path)})
+                          capture_output=True, text=True, env={**os.environ, "DSA_IMAGE_CACHE": str(tmp_path)})
     assert done.returncode == 4 and "Delete the cached file" in done.stderr, done.stderr
 
 
@@ -483,3 +486,34 @@ def test_a_bundle_of_the_pinned_sdist_is_small_and_carries_its_packages(tmp_path
     assert {p.split("==")[0] for p in written["libs"]} == set(base.upstream_test_packages)
     assert (tmp_path / "b" / "libs" / "tblib" / "__init__.py").is_file()
     assert sum((tmp_path / "b" / rel).stat().st_size for rel in written["files"]) < 5_000_000
+
+
+# --- the image's stages ---------------------------------------------------------------------------
+
+
+def _ours(path: Path) -> set[str]:
+    """The dsa_image modules `path` imports (from dsa_image import x, from .x import y, ...)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level and node.module:
+                found.add(f"dsa_image.{node.module}")
+            elif node.module == "dsa_image" or node.level and not node.module:
+                found |= {f"dsa_image.{a.name}" for a in node.names}
+            elif node.module and node.module.startswith("dsa_image."):
+                found.add(node.module)
+    return found
+
+
+def test_the_bundle_stage_copies_every_module_of_ours_the_tool_imports():
+    """The upstream-bundle stage copies the tool module by module (its cache then follows only
+    them); the runs bind-mount that copy. A module missing there fails only the image build."""
+    todo, seen = [SCRIPT], set()
+    while todo:
+        for module in _ours(todo.pop()) - seen:
+            seen.add(module)
+            todo.append(REPO_ROOT / f"{module.replace('.', '/')}.py")
+    stage = (REPO_ROOT / "Dockerfile").read_text().split("FROM base AS upstream-bundle\n", 1)[1].split("\nFROM ", 1)[0]
+    copied = set(re.findall(r"dsa_image/(\w+)\.py", stage))
+    assert {m.removeprefix("dsa_image.") for m in seen} <= copied, sorted(seen)
+    assert "scripts/upstream_tests.py" in stage
