@@ -7,7 +7,8 @@ seen from base X (default: `[vllm] default`), so every consumer reads one base's
 way (`recipe.get("cuda.toolkit")`, `recipe.vllm_version`).
 
 Stdlib only (tomllib). Writing pins back is a targeted text edit (`set_wheel_sha256`,
-`set_sdist_sha256`, `set_base_digest`): the stdlib has no TOML writer, and an edit keeps the file's comments.
+`set_sdist_sha256`, `set_base_digest`): the stdlib has no TOML writer, and an edit keeps the
+file's comments.
 """
 
 from __future__ import annotations

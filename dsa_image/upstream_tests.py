@@ -15,7 +15,7 @@ dsa_image.wheels) ships vLLM's `tests/`. From it:
 * **bundle**: just those files, extracted into a small directory with `bundle.json` (the sdist's
   filename and sha256, the overlaid modules, the selection with the import that selected each
   file, each file's sha256, and the third-party modules each selected file needs at import).
-* **run**: each selected file in its own `python -m pytest` against one site (a Python and, for a
+* **run**: each selected file in its own pytest process against one site (a Python and, for a
   `pip install --target` site, its directory on PYTHONPATH), junit XML per file, a timeout per
   file. A file whose import needs a module the site lacks is not run; the result says which.
 * **compare**: a stock run and an overlaid run of the same bundle, test by test. The rule: no
@@ -53,6 +53,7 @@ from .site_path import pythonpath
 
 BUNDLE_SCHEMA = 1
 BUNDLE_FILE = "bundle.json"
+LIBS = "libs"  # in a bundle: the upstream-tests lock's packages (pip install --target)
 TESTS = "tests"
 # What pytest collects by default (python_files); vLLM's pyproject.toml does not change it.
 _TEST_FILE_PATTERNS = ("test_*.py", "*_test.py")
@@ -383,7 +384,7 @@ def write_bundle(out: Path, tree: UpstreamTree, config: dict[str, bytes], select
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial")
     if staging.exists():
-        _remove_tree(staging)
+        shutil.rmtree(staging, ignore_errors=True)
     try:
         for rel in [s.path for s in selection.selected] + list(selection.support):
             _write(staging / rel, tree.files[rel])
@@ -395,21 +396,14 @@ def write_bundle(out: Path, tree: UpstreamTree, config: dict[str, bytes], select
         _write(staging / BUNDLE_FILE, (json.dumps(bundle, indent=2, sort_keys=True) + "\n").encode())
         staging.rename(out)
     except BaseException:
-        _remove_tree(staging)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
     return bundle
-
-
-LIBS = "libs"  # in a bundle: the upstream-tests lock's packages (pip install --target)
 
 
 def _write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-
-
-def _remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def pinned_sdist(recipe: Recipe) -> Path:
