@@ -24,7 +24,7 @@ test runner). The stock side must have no overlay receipt in its site, the overl
 Details: docs/upstream-tests.md.
 
 exit codes:
-  0  ok: no regression, every selected file ran on both sides (run: every file has a result)
+  0  ok: no regression, every selected file ran on both sides (run: every file ran)
   1  regressions (listed)
   2  bad usage or input: unknown base, a bundle that changed since it was written, a site whose
      vLLM is not the bundle's base or is on the wrong side, results of another bundle or site
