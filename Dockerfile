@@ -21,9 +21,13 @@
 #   extras      the target's extra lock (sm120: b12x); toolchain and SASS proven for its GPUs
 #   tiny-model  the built-in dummy-weight GLM-5 (config + tokenizer)
 #   model-info  vLLM's model-class info for GLM-5.x and its MTP drafter, cached (no start-up subprocess)
+#   test-libs   the test runner (recipes/locks/dev.txt) in its own directory
+#   upstream-bundle  vLLM's own tests that import an overlaid module, from the base's pinned sdist
+#   upstream-stock   those tests against the stock vLLM of `extras`, file by file
 #   overlay     our files over vLLM (scripts/overlay.py apply, fail closed) + the receipt
+#   upstream-overlay the same tests against the overlaid vLLM, compared with stock's: the gate
 #   test        overlay verify + CPU tests against the installed vLLM
-#   test-results  their results alone (bake target `test` exports them to build/test-results)
+#   test-results  their results and the gate's alone (bake target `test` exports them to build/test-results)
 #   runtime     non-root, labels, healthcheck, entrypoint (the default target)
 #
 # Behind a TLS-intercepting proxy hand pip a CA bundle as a BuildKit secret (bake:
@@ -166,6 +170,57 @@ RUN if [[ "${BUILDPLATFORM}" != "${TARGETPLATFORM}" ]]; then \
     fi
 
 # ---------------------------------------------------------------------------------------------
+# The test runner (pytest and the rest of the dev lock) in a directory of its own, appended to
+# sys.path after the site's packages (a .pth in `test`, --libs for the upstream runs), so it
+# can never replace a package vLLM was locked with. Independent of vLLM: cached across bases.
+FROM base AS test-libs
+RUN --mount=type=bind,source=recipes/locks/dev.txt,target=/tmp/dsa-image/dev.lock \
+    --mount=type=cache,id=dsa-image-pip,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=pip-ca \
+    if [[ -f /run/secrets/pip-ca ]]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    pip install --require-hashes --no-deps --index-url https://pypi.org/simple \
+        --target /opt/dsa-image/test-libs -r /tmp/dsa-image/dev.lock
+
+# ---------------------------------------------------------------------------------------------
+# Upstream's tests as the overlay's gate (docs/upstream-tests.md). The bundle: the test files of
+# this base's pinned sdist (recipe [vllm."X".sdist], downloaded into a cache mount and re-hashed)
+# that import an overlaid module, their conftests and helpers, and the packages of
+# recipes/locks/upstream-tests.txt; ~2 MB. Its own small stage, from the recipe, this base's
+# manifest and the tool alone (no vLLM install): a test edit leaves it cached, and what it holds
+# changes only with the overlaid modules, the sdist or the lock, never with an overlay file's
+# content, so the stock run below, keyed on that content, stays cached when only the overlay does.
+FROM base AS upstream-bundle
+ARG RECIPE
+ARG VLLM_VERSION
+COPY dsa_image/__init__.py dsa_image/atomic.py dsa_image/dist_info.py dsa_image/lock.py dsa_image/manifest.py \
+     dsa_image/overlay_core.py dsa_image/recipe.py dsa_image/registry.py dsa_image/site_path.py \
+     dsa_image/upstream_tests.py dsa_image/wheels.py /opt/dsa-image/upstream-tool/dsa_image/
+COPY scripts/upstream_tests.py /opt/dsa-image/upstream-tool/scripts/
+COPY recipes/${RECIPE}.toml /opt/dsa-image/upstream-tool/recipes/
+COPY recipes/locks/upstream-tests.txt /opt/dsa-image/upstream-tool/recipes/locks/
+COPY overlay/vllm-${VLLM_VERSION}/manifest.json /opt/dsa-image/upstream-tool/overlay/vllm-${VLLM_VERSION}/
+RUN --mount=type=cache,id=dsa-image-downloads,target=/root/.cache/dsa-image \
+    --mount=type=cache,id=dsa-image-pip,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=pip-ca \
+    if [[ -f /run/secrets/pip-ca ]]; then export PIP_CERT=/run/secrets/pip-ca SSL_CERT_FILE=/run/secrets/pip-ca; fi; \
+    python -B /opt/dsa-image/upstream-tool/scripts/upstream_tests.py --recipe "${RECIPE}" bundle \
+        --vllm "${VLLM_VERSION}" --out /opt/dsa-image/upstream-tests
+
+# The stock side: `extras` is this base's stock vLLM, exactly what `overlay` applies our files
+# to, so a stage FROM it runs upstream's tests against stock with no second install (and no
+# revert of the overlay: each side's site is a build stage of its own, and the stock run is
+# cached while only the overlay changes). Each selected file in its own pytest, junit per file.
+# Exit 3 (a file timed out, crashed or could not run) is left to the comparison to report.
+# What the tests write to /tmp stays out of the layer (a tmpfs).
+FROM extras AS upstream-stock
+RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/upstream,rw \
+    --mount=type=bind,from=test-libs,source=/opt/dsa-image/test-libs,target=/opt/dsa-image/test-libs \
+    --mount=type=tmpfs,target=/tmp \
+    python -B /mnt/upstream/upstream-tool/scripts/upstream_tests.py run --side stock \
+        --bundle /mnt/upstream/upstream-tests --out /opt/dsa-image/upstream-results \
+        --libs /opt/dsa-image/test-libs --timeout 600 || [[ $? -eq 3 ]]
+
+# ---------------------------------------------------------------------------------------------
 FROM extras AS overlay
 ARG PYTHON_VERSION
 ARG TARGET
@@ -201,17 +256,25 @@ RUN python -B "${DSA_IMAGE_TOOL}/scripts/overlay.py" apply --site-packages "${DS
     chmod -R a-w /opt/dsa-image/receipt.json /opt/dsa-image/receipt.json.sha256
 
 # ---------------------------------------------------------------------------------------------
+# The overlay side of the gate, then the comparison: no test that passes (or is skipped) on
+# stock may fail on the overlay (docs/upstream-tests.md). A regression, or a file without a
+# result on a side, fails this step, so no results of a failed gate are exported.
+FROM overlay AS upstream-overlay
+COPY --from=upstream-stock /opt/dsa-image/upstream-results/ /opt/dsa-image/upstream-results/
+RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/upstream,rw \
+    --mount=type=bind,from=test-libs,source=/opt/dsa-image/test-libs,target=/opt/dsa-image/test-libs \
+    --mount=type=tmpfs,target=/tmp \
+    tool=/mnt/upstream/upstream-tool/scripts/upstream_tests.py; results=/opt/dsa-image/upstream-results; \
+    python -B "${tool}" run --side overlay --bundle /mnt/upstream/upstream-tests --out "${results}" \
+        --libs /opt/dsa-image/test-libs --timeout 600 || [[ $? -eq 3 ]]; \
+    python -B "${tool}" compare "${results}" --json "${results}/compare.json" | tee "${results}/compare.txt"
+
+# ---------------------------------------------------------------------------------------------
 FROM overlay AS test
-# pytest and friends from the dev lock go to their own directory, appended to sys.path after
-# site-packages (a .pth file), so they can never replace a package vLLM was locked with.
+# pytest and friends from the dev lock, appended to sys.path after site-packages (a .pth file).
 # Before the tests are copied: a test edit does not reinstall them.
-RUN --mount=type=bind,source=recipes/locks/dev.txt,target=/tmp/dsa-image/dev.lock \
-    --mount=type=cache,id=dsa-image-pip,target=/root/.cache/pip,sharing=locked \
-    --mount=type=secret,id=pip-ca \
-    if [[ -f /run/secrets/pip-ca ]]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
-    pip install --require-hashes --no-deps --index-url https://pypi.org/simple \
-        --target /opt/dsa-image/test-libs -r /tmp/dsa-image/dev.lock; \
-    echo /opt/dsa-image/test-libs > "${DSA_IMAGE_SITE_PACKAGES}/zz_dsa_image_test_libs.pth"
+COPY --from=test-libs /opt/dsa-image/test-libs/ /opt/dsa-image/test-libs/
+RUN echo /opt/dsa-image/test-libs > "${DSA_IMAGE_SITE_PACKAGES}/zz_dsa_image_test_libs.pth"
 COPY pyproject.toml ${DSA_IMAGE_TOOL}/
 COPY tests/ ${DSA_IMAGE_TOOL}/tests/
 COPY --from=model-info /model-info/ /tmp/dsa-image/model-info/
@@ -241,9 +304,13 @@ RUN mkdir -p /opt/dsa-image/test-results; \
         tests/test_image_pip_check.py tests/test_image_entrypoint.py tests/test_image_healthcheck.py
 
 # ---------------------------------------------------------------------------------------------
-# Only the in-image test results, for bake target `test` to export (build/test-results/).
+# Only the in-image test results, for bake target `test` to export (build/test-results/), and
+# the gate's (build/test-results/upstream-tests/: each side's run.json, junit and logs per file,
+# compare.txt, compare.json and the bundle's bundle.json: what was selected from which sdist).
 FROM scratch AS test-results
 COPY --from=test /opt/dsa-image/test-results/ /
+COPY --from=upstream-overlay /opt/dsa-image/upstream-results/ /upstream-tests/
+COPY --from=upstream-bundle /opt/dsa-image/upstream-tests/bundle.json /upstream-tests/
 
 # ---------------------------------------------------------------------------------------------
 FROM overlay AS runtime

@@ -10,7 +10,8 @@
 #
 #   docker buildx bake sm120                      # build and load the sm_120 image
 #   docker buildx bake sm120-vllmX_Y_Z            # the same on the recipe's base vLLM X.Y.Z
-#   docker buildx bake test                       # overlay verify + CPU tests in the image;
+#   docker buildx bake test                       # overlay verify + CPU tests in the image,
+#                                                 # upstream's tests stock vs overlay;
 #                                                 # their results in build/test-results/
 #   PUSH=true REGISTRY=ghcr.io/you docker buildx bake   # all targets, every platform, attested
 #
@@ -127,8 +128,10 @@ target "default-image" {
   inherits = ["${image_target}-${base_name(DEFAULT_VLLM)}"]
 }
 
-# The sm120 image's `test` stage: overlay verify and the CPU tests against the installed vLLM.
-# A failing test fails the build; a passing run's results (junit.xml, verify.txt) are exported
+# The sm120 image's `test` stage: overlay verify and the CPU tests against the installed vLLM,
+# and the gate of vLLM's own tests, stock vs overlay (upstream-stock, upstream-overlay;
+# docs/upstream-tests.md). A failing test or a regression fails the build; a passing run's
+# results (junit.xml, verify.txt, upstream-tests/) are exported
 # to build/test-results/ (test-<base>: build/test-results-<base>/) on every build, also
 # when the test step comes from the cache, so the result is always there to read, never
 # inferred from a build log.

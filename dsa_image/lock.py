@@ -1,7 +1,7 @@
 """`scripts/recipe.py lock`: the only writer of pins.
 
 It works on one base (a vLLM release of the recipe, `--vllm`): it fills that base's wheel
-sha256 from the downloaded wheels, tries the base image digest, generates the resolver inputs
+and sdist sha256 from the downloaded files, tries the base image digest, generates the resolver inputs
 (recipes/requirements/vllm-<version>/*.in) from the recipe and runs the real resolver
 (uv pip compile --generate-hashes) into recipes/locks/:
 
@@ -14,6 +14,12 @@ sha256 from the downloaded wheels, tries the base image digest, generates the re
   vllm-<version>/SHA256SUMS           the sha256 of each lock above, as written
   dev.txt, SHA256SUMS                 the test runner's venv (requirements-dev.in), shared by
                                       every base and resolved by every `lock`; its sha256
+  upstream-tests.txt                  what vLLM's own tests import beyond vLLM and the dev lock
+                                      (the recipe's [upstream_tests] packages, from the generated
+                                      recipes/requirements/upstream-tests.in), shared by every
+                                      base: exactly those packages (--no-deps: their requirements
+                                      are vLLM's and the test runner's), installed into the
+                                      upstream tests' bundle (dsa_image/upstream_tests.py)
 
 Every hash in a lock comes from the index, through the resolver (`resolver_seed` keeps the
 previous lock's versions but never its hashes), except the vllm pin's: it carries exactly the
@@ -32,13 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import registry, wheels
-from .recipe import (ARCH_OF_PLATFORM, REPO_ROOT, Recipe, Target, Wheel, set_base_digest, set_wheel_sha256,
-                     vllm_dir)
+from .recipe import (ARCH_OF_PLATFORM, REPO_ROOT, Recipe, Target, Wheel, set_base_digest, set_sdist_sha256,
+                     set_wheel_sha256, vllm_dir)
 
 REQUIREMENTS_DIR = Path("recipes/requirements")
 LOCKS_DIR = Path("recipes/locks")
 DEV_IN = Path("requirements-dev.in")
 DEV_LOCK = LOCKS_DIR / "dev.txt"
+UPSTREAM_TESTS_IN = REQUIREMENTS_DIR / "upstream-tests.in"
+UPSTREAM_TESTS_LOCK = LOCKS_DIR / "upstream-tests.txt"
 COMPILE_COMMAND = "python3 scripts/recipe.py lock"
 # In each directory of locks: the sha256 of every lock there as `lock` wrote it; `check`
 # (offline) notices any later edit of a lock.
@@ -63,6 +71,7 @@ class LockJob:
     command: str  # what writes this lock: its header, and what every message about it says
     constraints: tuple[Path, ...] = ()
     overrides: Path | None = None
+    no_deps: bool = False  # exactly the inputs' packages, none of their requirements
 
 
 def lock_command(version: str) -> str:
@@ -104,6 +113,8 @@ def requirement_files(recipe: Recipe) -> dict[Path, str]:
     header = _GENERATED.format(recipe=recipe.id, command=lock_command(recipe.vllm_version))
     common = (f"vllm=={recipe.vllm_version}", *recipe.cuda_toolkit, *recipe.cluster_packages)
     files = {common_in(recipe): header + "".join(f"{pin}\n" for pin in common)}
+    shared = _GENERATED.format(recipe=recipe.id, command=COMPILE_COMMAND)
+    files[UPSTREAM_TESTS_IN] = shared + "".join(f"{name}\n" for name in recipe.upstream_test_packages)
     for target in recipe.targets.values():
         if not target.extras:
             continue
@@ -130,6 +141,7 @@ def lock_jobs(recipe: Recipe) -> list[LockJob]:
                 overrides=overrides_in(recipe, target) if target.overrides else None,
             ))
     jobs.append(LockJob(DEV_LOCK, (DEV_IN,), None, COMPILE_COMMAND))
+    jobs.append(LockJob(UPSTREAM_TESTS_LOCK, (UPSTREAM_TESTS_IN,), None, COMPILE_COMMAND, no_deps=True))
     return jobs
 
 
@@ -147,6 +159,8 @@ def uv_command(job: LockJob, python_version: str, uv: str) -> list[str]:
         argv += ["--constraint", str(constraint)]
     if job.overrides:
         argv += ["--overrides", str(job.overrides)]
+    if job.no_deps:
+        argv.append("--no-deps")
     return argv + [str(p) for p in job.inputs]
 
 
@@ -260,14 +274,16 @@ def write_lock_sums(recipe: Recipe, root: Path = REPO_ROOT) -> None:
         (root / path).write_text(text)
 
 
-def lock_wheel_pins(text: str, recipe: Recipe, report) -> str:
-    """Download every vLLM wheel of the recipe's base, return the recipe text with their
-    computed sha256."""
+def lock_vllm_pins(text: str, recipe: Recipe, report) -> str:
+    """Download every vLLM wheel and the sdist of the recipe's base, return the recipe text
+    with their computed sha256."""
     for platform, wheel in recipe.wheels.items():
         path, sha = wheels.lock_wheel(wheel.filename)
         report(f"{wheel.filename}: sha256 {sha} ({path})")
         text = set_wheel_sha256(text, recipe.vllm_version, platform, sha)
-    return text
+    path, sha = wheels.lock_wheel(recipe.sdist.filename)
+    report(f"{recipe.sdist.filename}: sha256 {sha} ({path})")
+    return set_sdist_sha256(text, recipe.vllm_version, sha)
 
 
 def lock_base_digest(text: str, recipe: Recipe, report) -> str:
@@ -658,6 +674,8 @@ def lock_problems(recipe: Recipe, root: Path = REPO_ROOT) -> list[str]:
                 problems += _expect_pin(full, extra.requirement, path)
     problems += _vllm_problems(recipe, scans, regenerate)
     problems += _consistency_problems(scans, regenerate)
+    if not recipe.sdist.sha256:
+        problems.append(f"{_shown(recipe.path)}: no sha256 for {recipe.sdist.filename}; {regenerate}")
     return problems
 
 
@@ -723,6 +741,14 @@ def online_problems(recipe: Recipe, root: Path = REPO_ROOT, paths: list[Path] | 
                             f"{wheel.sha256 or '(empty)'}, "
                             f"expected {entry.sha256}, the sha256 {index_url.rstrip('/')}/{VLLM}/ lists for "
                             f"{wheel.filename}; {regenerate}")
+    sdist = vllm_files.get(recipe.sdist.filename)
+    if sdist is None:
+        problems.append(f"{_shown(recipe.path)}: {recipe.sdist.filename} ([vllm.\"{recipe.vllm_version}\".sdist]) is not "
+                        f"listed by {index_url.rstrip('/')}/{VLLM}/; fix the filename, then {regenerate}")
+    elif sdist.sha256 != recipe.sdist.sha256:
+        problems.append(f"{_shown(recipe.path)}: vllm.\"{recipe.vllm_version}\".sdist.sha256 is "
+                        f"{recipe.sdist.sha256 or '(empty)'}, expected {sdist.sha256}, the sha256 "
+                        f"{index_url.rstrip('/')}/{VLLM}/ lists for {recipe.sdist.filename}; {regenerate}")
     for path, pins in scans.items():
         for pin in pins:
             problems += _release_problems(path, pin, listed[pin.name], index_url, regenerate)

@@ -7,7 +7,8 @@ seen from base X (default: `[vllm] default`), so every consumer reads one base's
 way (`recipe.get("cuda.toolkit")`, `recipe.vllm_version`).
 
 Stdlib only (tomllib). Writing pins back is a targeted text edit (`set_wheel_sha256`,
-`set_base_digest`): the stdlib has no TOML writer, and an edit keeps the file's comments.
+`set_sdist_sha256`, `set_base_digest`): the stdlib has no TOML writer, and an edit keeps the
+file's comments.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ _TARGET_ID = re.compile(r"[a-z0-9_]+")
 _RECIPE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 _RELEASE = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+([.+a-z0-9]*)")
 SCHEMA = 2
-# What a base ([vllm."X"]) pins besides the extras' sections its targets name.
-_BASE_KEYS = ("wheels", "cuda")
+# What a base ([vllm."X"]) pins besides the extras' sections its targets name. The sdist is
+# not installed: it carries vLLM's own tests (dsa_image/upstream_tests.py).
+_BASE_KEYS = ("wheels", "cuda", "sdist")
 # ...and the target keys it changes ([vllm."X".targets.ID]), e.g. the backend a release picks.
 _TARGET_ADJUSTMENTS = "targets"
 
@@ -52,6 +54,14 @@ class RecipeError(Exception):
 @dataclass(frozen=True)
 class Wheel:
     platform: str
+    filename: str
+    sha256: str  # "" until `scripts/recipe.py lock` filled it
+
+
+@dataclass(frozen=True)
+class Sdist:
+    """A base's source distribution (PyPI's vllm-X.Y.Z.tar.gz): vLLM's tests, never installed."""
+
     filename: str
     sha256: str  # "" until `scripts/recipe.py lock` filled it
 
@@ -102,11 +112,13 @@ class Recipe:
     default_vllm: str  # [vllm] default: the base used when none is named
     vllm_versions: tuple[str, ...]  # every base the recipe pins, in file order
     wheels: dict[str, Wheel]  # by docker platform
+    sdist: Sdist
     base_image: str
     base_digest: str  # "" when not locked
     python: str
     cuda_toolkit: tuple[str, ...]
     cluster_packages: tuple[str, ...]  # in every image's common lock: serving across nodes
+    upstream_test_packages: tuple[str, ...]  # what vLLM's own tests import beyond vLLM and the dev lock
     serving: dict[str, Any]
     targets: dict[str, Target]
 
@@ -236,9 +248,10 @@ def _base_view(raw: dict[str, Any], version: str | None, where: str) -> dict[str
         raise RecipeError(f"{where}: no vLLM {version!r}; this recipe pins: {', '.join(bases)} "
                           f"(--vllm takes one of them; default {default})")
     base = bases[version]
-    vllm = {"version": version, "default": default, "versions": list(bases), "wheels": base.get("wheels")}
-    view = {**{k: v for k, v in raw.items() if k != "vllm"}, **{k: v for k, v in base.items() if k != "wheels"},
-            "vllm": vllm}
+    vllm = {"version": version, "default": default, "versions": list(bases), "wheels": base.get("wheels"),
+            "sdist": base.get("sdist")}
+    view = {**{k: v for k, v in raw.items() if k != "vllm"},
+            **{k: v for k, v in base.items() if k not in ("wheels", "sdist")}, "vllm": vllm}
     if _TARGET_ADJUSTMENTS in base:
         view["targets"] = _adjusted_targets(raw.get("targets", {}), base[_TARGET_ADJUSTMENTS],
                                             f'{where}: vllm."{version}"')
@@ -264,6 +277,7 @@ def parse_recipe(recipe_id: str, path: Path, file: dict[str, Any], vllm_version:
     vllm = raw["vllm"]
     vllm_version = vllm["version"]
     wheels = _parse_wheels(_need(vllm, "wheels", dict, f'{where}: vllm."{vllm_version}"'), vllm_version, where)
+    sdist = _parse_sdist(_need(vllm, "sdist", dict, f'{where}: vllm."{vllm_version}"'), vllm_version, where)
 
     base = _need(raw, "base", dict, where)
     digest = _need(base, "digest", str, f"{where}: base")
@@ -278,6 +292,11 @@ def parse_recipe(recipe_id: str, path: Path, file: dict[str, Any], vllm_version:
     for pin in cluster:
         _check(bool(_PIN.fullmatch(pin)), f"{where}: cluster.packages entry {pin!r} is not name==version")
 
+    upstream = _str_list(_need(raw, "upstream_tests", dict, where), "packages", f"{where}: upstream_tests")
+    for name in upstream:
+        _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)),
+               f"{where}: upstream_tests.packages entry {name!r} is not a package name (the lock pins its version)")
+
     targets_raw = _need(raw, "targets", dict, where)
     _check(bool(targets_raw), f"{where}: no [targets.*] section")
     targets = {tid: _parse_target(tid, t, raw, wheels, where) for tid, t in targets_raw.items()}
@@ -289,11 +308,13 @@ def parse_recipe(recipe_id: str, path: Path, file: dict[str, Any], vllm_version:
         default_vllm=vllm["default"],
         vllm_versions=tuple(vllm["versions"]),
         wheels=wheels,
+        sdist=sdist,
         base_image=_need(base, "image", str, f"{where}: base"),
         base_digest=digest,
         python=_need(base, "python", str, f"{where}: base"),
         cuda_toolkit=toolkit,
         cluster_packages=cluster,
+        upstream_test_packages=upstream,
         serving=_need(raw, "serving", dict, where),
         targets=targets,
     )
@@ -311,6 +332,16 @@ def _parse_wheels(table: dict, version: str, where: str) -> dict[str, Wheel]:
         _check(sha == "" or bool(_SHA256.fullmatch(sha)), f"{at}: sha256 must be empty or 64 hex, found {sha!r}")
         wheels[platform] = Wheel(platform, filename, sha)
     return wheels
+
+
+def _parse_sdist(entry: dict, version: str, where: str) -> Sdist:
+    at = f'{where}: vllm."{version}".sdist'
+    filename = _need(entry, "filename", str, at)
+    sha = _need(entry, "sha256", str, at)
+    _check(filename == f"vllm-{version}.tar.gz", f"{at}: filename {filename!r}, expected vllm-{version}.tar.gz "
+                                                 "(PyPI's sdist of that release)")
+    _check(sha == "" or bool(_SHA256.fullmatch(sha)), f"{at}: sha256 must be empty or 64 hex, found {sha!r}")
+    return Sdist(filename, sha)
 
 
 def _parse_extra(name: str, raw: dict, where: str) -> Extra:
@@ -382,6 +413,11 @@ def _set_in_section(text: str, header: str, key: str, value: str) -> str:
 def set_wheel_sha256(text: str, version: str, platform: str, sha256: str) -> str:
     _check(bool(_SHA256.fullmatch(sha256)), f"not a sha256: {sha256!r}")
     return _set_in_section(text, f'[vllm."{version}".wheels."{platform}"]', "sha256", sha256)
+
+
+def set_sdist_sha256(text: str, version: str, sha256: str) -> str:
+    _check(bool(_SHA256.fullmatch(sha256)), f"not a sha256: {sha256!r}")
+    return _set_in_section(text, f'[vllm."{version}".sdist]', "sha256", sha256)
 
 
 def set_base_digest(text: str, digest: str) -> str:

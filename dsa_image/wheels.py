@@ -1,4 +1,5 @@
-"""Fetch wheels from PyPI into a local cache, verified by sha256 on every use.
+"""Fetch wheels (and the vLLM sdists, for upstream's tests) from PyPI into a local cache,
+verified by sha256 on every use.
 
 Stdlib only. PyPI's JSON API (/pypi/<name>/json) is not used: the PEP 691 simple index is
 the interface pip and uv use, and the one every mirror serves.
@@ -41,7 +42,8 @@ def cache_dir() -> Path:
 
 
 def wheel_cache_path(filename: str) -> Path:
-    return cache_dir() / "wheels" / filename
+    """Where a downloaded wheel (cache/wheels/) or sdist (cache/sdists/) is kept."""
+    return cache_dir() / ("wheels" if filename.endswith(".whl") else "sdists") / filename
 
 
 def sha256_file(path: Path) -> str:
@@ -57,10 +59,16 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def project_of(filename: str) -> str:
-    """The normalized project name of a wheel filename (PEP 427 / PEP 503)."""
-    if not filename.endswith(".whl") or filename.count("-") < 4:
-        raise WheelError(f"{filename}: not a wheel filename (name-version-python-abi-platform.whl)")
-    return filename.split("-", 1)[0].lower().replace("_", "-").replace(".", "-")
+    """The normalized project name of a wheel (PEP 427) or sdist (PEP 625: name-version.tar.gz)
+    filename (PEP 503)."""
+    if filename.endswith(".tar.gz") and filename.count("-") == 1:
+        name = filename.split("-", 1)[0]
+    elif filename.endswith(".whl") and filename.count("-") >= 4:
+        name = filename.split("-", 1)[0]
+    else:
+        raise WheelError(f"{filename}: not a wheel (name-version-python-abi-platform.whl) or sdist "
+                         "(name-version.tar.gz) filename")
+    return name.lower().replace("_", "-").replace(".", "-")
 
 
 # Pauses before the second and third attempt at an index page: a resolver or connection hiccup
@@ -131,8 +139,8 @@ def _download(entry: IndexFile, dest: Path, timeout: float = 120) -> str:
 
 
 def ensure_wheel(filename: str, sha256: str, index_url: str = PYPI_SIMPLE) -> Path:
-    """Path of the cached wheel `filename`, downloading it when absent; its sha256 must equal
-    `sha256` (the recipe's pin), checked on every call."""
+    """Path of the cached wheel (or sdist) `filename`, downloading it when absent; its sha256
+    must equal `sha256` (the recipe's pin), checked on every call."""
     if not sha256:
         raise WheelError(
             f"{filename}: the recipe has no sha256 for it yet; run `python3 scripts/recipe.py lock --vllm VERSION` "
@@ -150,7 +158,7 @@ def ensure_wheel(filename: str, sha256: str, index_url: str = PYPI_SIMPLE) -> Pa
     found = sha256_file(path)
     if found != sha256:
         raise WheelError(
-            f"{path}: cached wheel has sha256 {found}, the recipe pins {sha256}. "
+            f"{path}: cached file has sha256 {found}, the recipe pins {sha256}. "
             "Delete the cached file to download it again."
         )
     return path
@@ -165,7 +173,7 @@ def lock_wheel(filename: str, index_url: str = PYPI_SIMPLE) -> tuple[Path, str]:
         found = sha256_file(path)
         if found != entry.sha256:
             raise WheelError(
-                f"{path}: cached wheel has sha256 {found}, the index lists {entry.sha256}. "
+                f"{path}: cached file has sha256 {found}, the index lists {entry.sha256}. "
                 "Delete the cached file to download it again."
             )
         return path, found

@@ -25,6 +25,15 @@
 #   sites    the install phase alone: the two sites, verified, and the tiny GLM-5, no model
 #            info (for the bench phase, which makes its builds' own, e.g. BENCH_A=overlay-0.24.0
 #            beside VLLM=0.33.0).
+#   upstream vLLM's own tests that import an overlaid module (scripts/upstream_tests.py gate,
+#            docs/upstream-tests.md): each selected file on stock and on the overlay, the two
+#            at once on the one GPU, compared test by test; "0 regressions" and exit 0 when
+#            every file ran on both. The bundle comes with the call (UPSTREAM_BUNDLE, default
+#            build/upstream-tests-X.Y.Z of the device's copy: made here by `python3
+#            scripts/upstream_tests.py bundle --vllm X.Y.Z --python-version 3.12 --out
+#            build/upstream-tests-X.Y.Z`, carried). No file starts after UPSTREAM_DEADLINE_S
+#            (default 120) and none runs past UPSTREAM_TIMEOUT_S (default 420); a later call
+#            resumes (exit 3 until every file has run). Needs `sites` first.
 #   hosttime build() host time, stock and overlay interleaved in one process.
 #   toolchain the smoke test with the image's pip CUDA toolkit as the only toolkit.
 #   serve    stock twice and the overlay once, served side by side, CUDA graphs on
@@ -72,7 +81,7 @@
 #
 # Usage: [VLLM=X.Y.Z] bash scripts/h200_validation.sh PHASE (one of the above)
 set -uo pipefail
-phase=${1:?usage: [VLLM=X.Y.Z] h200_validation.sh paths|receive|inventory|prepare|sites|install|serve|hosttime|toolchain|smoke|mtp|longctx|deploy|warmstart|bench|b12x|selftest|b12xserve|cluster}
+phase=${1:?usage: [VLLM=X.Y.Z] h200_validation.sh paths|receive|inventory|prepare|sites|install|upstream|serve|hosttime|toolchain|smoke|mtp|longctx|deploy|warmstart|bench|b12x|selftest|b12xserve|cluster}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 vllm=${VLLM:-$(python3 "$repo/scripts/recipe.py" get vllm.default)} || exit 2
 python3 "$repo/scripts/recipe.py" get --vllm "$vllm" vllm.version > /dev/null || {
@@ -243,6 +252,24 @@ serve() {
     > "$results/serving.log" 2>&1
   echo "serving exit: $?" | tee -a "$results/serving.log"
   tail -40 "$results/serving.log"
+}
+
+# Each call runs what is left (the results in $results/upstream-tests resume), then compares.
+upstream() {
+  local bundle=${UPSTREAM_BUNDLE:-$repo/build/upstream-tests-$vllm} dir="$results/upstream-tests" status
+  log "upstream's tests: stock vs overlay, file by file, two at once ($bundle)"
+  mkdir -p "$dir"
+  (cd /tmp && python3 "$repo/scripts/upstream_tests.py" gate --bundle "$bundle" --out "$dir" \
+    --python python3 --stock-site "$site_stock" --overlay-site "$site_overlay" --jobs 2 \
+    --timeout "${UPSTREAM_TIMEOUT_S:-420}" --deadline-s "${UPSTREAM_DEADLINE_S:-120}" --json "$dir/compare.json") \
+    > "$dir/compare.txt" 2> "$results/upstream-tests.log"
+  status=$?
+  echo "upstream exit: $status" | tee -a "$results/upstream-tests.log"
+  tail -8 "$results/upstream-tests.log"
+  cat "$dir/compare.txt"
+  cp "$dir/compare.txt" "$dir/compare.json" "$out/" 2>/dev/null
+  tar -czf "$out/upstream-tests.tgz" -C "$results" upstream-tests upstream-tests.log
+  return $status
 }
 
 hosttime() {
@@ -492,6 +519,7 @@ case $phase in
   install) environment; install; probes; model_infos; collect ;;
   prepare) environment; install; model_infos; collect ;;
   sites) environment; install; collect ;;
+  upstream) environment; upstream ;;
   hosttime) hosttime ;;
   toolchain) environment; toolchain; collect ;;
   serve) environment; serve; collect ;;

@@ -8,8 +8,8 @@ and recipes/locks/vllm-VERSION/; docker-bake.json holds every base.
 commands:
   get KEY        print a value of the base (e.g. vllm.version, vllm.versions, cuda.toolkit,
                  targets.sm120.kv_cache_dtype); lists print one item per line, tables as JSON
-  lock           the only writer of pins: download the base's vLLM wheels and write their
-                 sha256 into the recipe, try the base image digest (left empty when the
+  lock           the only writer of pins: download the base's vLLM wheels and sdist and write
+                 their sha256 into the recipe, try the base image digest (left empty when the
                  registry is unreachable), write the base's requirements/*.in, resolve its
                  locks and recipes/locks/dev.txt with `uv pip compile --generate-hashes`
                  (hashes from the index, the vllm pin narrowed to the recipe's wheel), record
@@ -23,7 +23,7 @@ commands:
                  a serving recipe keeps a workaround whose bugs no base has)
   check --online the same, and every hash of every lock must be the sha256 of a file the
                  index (https://pypi.org/simple) lists for that name==version, each recipe
-                 wheel sha256 the one it lists for that file, and each bug's source patterns
+                 wheel (and sdist) sha256 the one it lists for that file, and each bug's source patterns
                  in the pinned wheel (downloaded once into ~/.cache/dsa-image) must give its
                  recorded verdict
 
@@ -93,7 +93,7 @@ def cmd_check(args) -> int:
 def cmd_lock(args) -> int:
     recipe = load_recipe(args.recipe, vllm=args.vllm)
     text = recipe.path.read_text()
-    text = lock.lock_wheel_pins(text, recipe, say)
+    text = lock.lock_vllm_pins(text, recipe, say)
     text = lock.lock_base_digest(text, recipe, say)
     recipe.path.write_text(text)
     recipe = load_recipe(args.recipe, vllm=recipe.vllm_version)

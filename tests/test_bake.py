@@ -111,7 +111,10 @@ def test_test_target_builds_the_sm120_test_stage_and_exports_its_results(buildx)
         assert "tags" not in resolved or resolved["tags"] == []
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     stage = dockerfile.split("FROM scratch AS test-results\n", 1)[1].split("\n# ---", 1)[0]
-    assert stage.strip() == "COPY --from=test /opt/dsa-image/test-results/ /"
+    assert stage.strip().splitlines() == [  # and upstream's tests: the gate (docs/upstream-tests.md)
+        "COPY --from=test /opt/dsa-image/test-results/ /",
+        "COPY --from=upstream-overlay /opt/dsa-image/upstream-results/ /upstream-tests/",
+        "COPY --from=upstream-bundle /opt/dsa-image/upstream-tests/bundle.json /upstream-tests/"]
     test_stage = dockerfile.split("FROM overlay AS test\n", 1)[1].split("FROM scratch AS test-results", 1)[0]
     assert "--junitxml=/opt/dsa-image/test-results/junit.xml" in test_stage
     assert "| tee /opt/dsa-image/test-results/verify.txt" in test_stage
@@ -124,6 +127,7 @@ def _pins() -> list[str]:
         pins += [recipe.vllm_version, recipe.vllm_version.replace(".", "_"), recipe.base_image, f"python{recipe.python}"]
         pins += [pin.split("==")[1] for pin in recipe.cuda_toolkit]
         pins += [w.sha256 for w in recipe.wheels.values() if w.sha256] + [w.filename for w in recipe.wheels.values()]
+        pins += [recipe.sdist.filename, recipe.sdist.sha256]
         pins += [e.version for t in recipe.targets.values() for e in t.extras]
         pins += [recipe.serving["default_model"], recipe.serving["served_model_name"]]
         pins += [t.kv_cache_dtype for t in recipe.targets.values() if t.kv_cache_dtype != "auto"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import image_build
+from dsa_image import image_build, upstream_tests
 from dsa_image.overlay import manifest_path, predicted_receipt_sha256
 from dsa_image.recipe import load_every_base, load_recipe
 
@@ -56,6 +56,22 @@ def _in_image_test_files() -> set[str]:
     return named - other_bases
 
 
+def _upstream_gate(exported: Path, base) -> str:
+    """The gate's verdict, recomputed here from each side's junit files (not read from its
+    summary): every file the base's bundle selected from its pinned sdist ran on stock and on
+    the overlay, some test passed on stock, and no test regressed (docs/upstream-tests.md)."""
+    results = exported / "upstream-tests"
+    summary = (results / "compare.txt").read_text()
+    comparison = upstream_tests.compare_runs(results)
+    assert comparison.vllm_version == base.vllm_version
+    assert comparison.verdict == "ok" and summary.endswith("\n0 regressions\n"), summary
+    selected = json.loads((results / "bundle.json").read_text())
+    assert selected["sdist"] == {"filename": base.sdist.filename, "sha256": base.sdist.sha256}
+    assert {f.path for f in comparison.files} == {s["path"] for s in selected["selected"]}
+    return (f"upstream's tests: {len(comparison.files)} files, {comparison.stock_passed} tests passing on stock, "
+            f"{len(comparison.regressions)} regressions")
+
+
 def test_test_stage_results_are_exported_and_passed_whether_or_not_the_step_was_cached(test_stage_build):
     """The results come out of the image on every build (build/test-results, emptied first), so
     a warm-cache run checks what the cached step proved, not only that a stage exists."""
@@ -70,7 +86,8 @@ def test_test_stage_results_are_exported_and_passed_whether_or_not_the_step_was_
     pytest_step = [s for s in test_stage_build.steps if s.stage == "test" and "pytest" in s.name]
     assert pytest_step, "the build log names no pytest step of the `test` stage"
     print(f"in-image tests: {run.passed} passed, {run.skipped} skipped "
-          f"({'from cache' if pytest_step[0].cached else 'ran now'})")
+          f"({'from cache' if pytest_step[0].cached else 'ran now'}); "
+          f"{_upstream_gate(test_stage_build.exported, RECIPE)}")
 
 
 OTHER_BASES = [base for base in load_every_base() if base.vllm_version != RECIPE.vllm_version]
@@ -79,8 +96,8 @@ OTHER_BASES = [base for base in load_every_base() if base.vllm_version != RECIPE
 @pytest.mark.parametrize("base", OTHER_BASES, ids=[b.vllm_version for b in OTHER_BASES])
 def test_every_other_base_builds_its_test_target_and_passes_its_in_image_tests(build_target, base):
     """A base that is not the default still builds, passes its arch checks and overlay verify,
-    and passes the in-image tests against its own vLLM: shared code (arch_check, the memory
-    plan, the recipes) changes under it too."""
+    and passes the in-image tests against its own vLLM and the gate of its own upstream tests:
+    shared code (arch_check, the memory plan, the recipes) changes under it too."""
     result = build_target(base.bake_target("test"))
     assert result.exported == (REPO_ROOT / "build" / base.bake_target("test-results")).resolve()
     run = image_build.read_test_results(result.exported)
@@ -88,7 +105,8 @@ def test_every_other_base_builds_its_test_target_and_passes_its_in_image_tests(b
     assert _overlay_test_file(base) in run.files and "tests/test_serving_recipes_vllm.py" in run.files, run.files
     assert run.verify.strip(), "overlay.py verify printed nothing"
     assert "model info fresh for GlmMoeDsaForCausalLM, " in run.model_info, run.model_info
-    print(f"vLLM {base.vllm_version} in-image tests: {run.passed} passed, {run.skipped} skipped")
+    print(f"vLLM {base.vllm_version} in-image tests: {run.passed} passed, {run.skipped} skipped; "
+          f"{_upstream_gate(result.exported, base)}")
 
 
 def test_a_failing_in_image_test_fails_the_build_and_leaves_no_results(docker_client, bake_options, tmp_path):

@@ -254,3 +254,42 @@ def test_the_indexer_layer_registers_the_metadata_kernels_for_warmup():
     registered = {type(kernel).__name__: calls for kernel, calls in registry._registrations.items()}
     assert registered["BuildPrefillChunkMetadataKernel"] == [((), {})]
     assert registered["PrepareUniformDecodeKernel"] == [((), {})]
+
+
+def test_a_builder_made_without_init_refreshes_draft_metadata_as_stock_does(monkeypatch):
+    """vLLM's own tests (tests/v1/attention/test_indexer_deepseek_v4_slot_mapping.py, the
+    draft-decode refresh tests) make the builder with object.__new__, set the few attributes
+    stock's update_draft_decode_metadata reads, and call it. On the H200 the overlay failed them
+    (AttributeError: use_b12x, which only the overlay's __init__ set): the b12x decision has a
+    class-level default, the DeepGEMM builder such a builder was. Their construction, on the CPU
+    (compress_ratio 1: no Triton kernel; no DeepGEMM, as their refresh test has)."""
+    monkeypatch.setattr(indexer, "has_deep_gemm", lambda: False)
+    num_reqs, width = 3, 8
+    builder = object.__new__(indexer.DeepseekV32IndexerMetadataBuilder)
+    builder.dcp_world_size = 1
+    builder.compress_ratio = 1
+    builder.arange_buffer = torch.arange(num_reqs + 1, dtype=torch.int32)
+    builder.kv_cache_spec = types.SimpleNamespace(block_size=64, num_states=64)
+
+    def stale(*shape):
+        return torch.full(shape, -7, dtype=torch.int32)
+
+    decode = indexer.DeepSeekV32IndexerDecodeMetadata(
+        block_table=stale(num_reqs, width), seq_lens=stale(num_reqs, 1), decode_lens=stale(num_reqs),
+        requires_padding=False, schedule_metadata=stale(1), indices=stale(num_reqs),
+        per_req_decode_lens=stale(num_reqs))
+    request_block_table = torch.randint(0, 1000, (num_reqs, width), dtype=torch.int32)
+    seq_lens = torch.tensor([17, 33, 65], dtype=torch.int32)
+    metadata = indexer.DeepseekV32IndexerMetadata(
+        seq_lens=seq_lens, max_seq_len=128, slot_mapping=torch.zeros(num_reqs, dtype=torch.int64),
+        num_decodes=num_reqs, num_decode_tokens=num_reqs, num_prefills=0, num_prefill_tokens=0,
+        decode=decode, block_table=request_block_table)
+
+    builder.update_draft_decode_metadata(metadata)
+
+    assert builder.use_b12x is False
+    torch.testing.assert_close(decode.block_table, request_block_table)
+    torch.testing.assert_close(decode.indices, builder.arange_buffer[:num_reqs])
+    assert torch.all(decode.per_req_decode_lens == 1) and torch.all(decode.decode_lens == 1)
+    torch.testing.assert_close(decode.seq_lens.flatten(), seq_lens)
+    assert torch.all(decode.schedule_metadata == -7)  # neither DeepGEMM nor b12x rewrote it

@@ -24,7 +24,7 @@ import pytest
 
 from dsa_image import lock, wheels
 from dsa_image.lock import parse_lock
-from dsa_image.recipe import load_recipe, set_wheel_sha256
+from dsa_image.recipe import load_recipe, set_sdist_sha256, set_wheel_sha256
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()
@@ -351,6 +351,19 @@ def test_online_checks_the_recipe_wheels_against_the_index(tmp_path):
     assert lock.online_problems(edited, paths=[]) == [
         f"{edited.path}: vllm.\"{RECIPE.vllm_version}\".wheels.\"linux/amd64\".sha256 is {swapped}, expected {RECIPE.wheel('amd64').sha256}, "
         f"the sha256 https://pypi.org/simple/vllm/ lists for {RECIPE.wheel('amd64').filename}; {REGENERATE}"]
+
+
+@pytest.mark.wheel
+def test_online_checks_the_recipe_sdist_against_the_index(tmp_path):
+    """The sdist (upstream's tests) pinned with another vLLM file's sha256: refused online."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    swapped = RECIPE.wheel("amd64").sha256
+    (recipes / RECIPE.path.name).write_text(set_sdist_sha256(RECIPE.path.read_text(), RECIPE.vllm_version, swapped))
+    edited = load_recipe(RECIPE.id, recipes)
+    assert lock.online_problems(edited, paths=[]) == [
+        f"{edited.path}: vllm.\"{RECIPE.vllm_version}\".sdist.sha256 is {swapped}, expected {RECIPE.sdist.sha256}, "
+        f"the sha256 https://pypi.org/simple/vllm/ lists for {RECIPE.sdist.filename}; {REGENERATE}"]
 
 
 def test_online_check_needs_the_index():

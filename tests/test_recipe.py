@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -13,7 +14,7 @@ from hypothesis import given, strategies as st
 from dsa_image import lock
 from dsa_image.recipe import (
     ARCH_OF_PLATFORM, PLATFORM_OF_ARCH, RecipeError, format_value, load_every_base, load_recipe, set_base_digest,
-    set_wheel_sha256,
+    set_sdist_sha256, set_wheel_sha256,
 )
 from dsa_image.registry import split_reference
 
@@ -120,7 +121,7 @@ def copy_recipe(tmp_path: Path, edit=lambda text: text) -> Path:
     (lambda t: t.replace(f'default = "{RECIPE.default_vllm}"', 'default = "0.25.0"'),
      "vllm.default '0.25.0' is not one of the pinned"),
     (lambda t: t.replace('[vllm."0.33.0".b12x]', '[vllm."0.33.0".flashinfer]'),
-     '[vllm."0.33.0"] has flashinfer: a base pins only wheels, cuda and the extras its targets name (b12x), '
+     '[vllm."0.33.0"] has flashinfer: a base pins only wheels, cuda, sdist and the extras its targets name (b12x), '
      'and adjusts [targets.*] keys'),
     (lambda t: t.replace('[vllm."0.33.0".targets.sm90]', '[vllm."0.33.0".targets.sm75]'),
      'vllm."0.33.0".targets.sm75: adjusts no shared target; targets: sm120, sm100, sm90'),
@@ -129,6 +130,12 @@ def copy_recipe(tmp_path: Path, edit=lambda text: text) -> Path:
     (lambda t: t + '\n[b12x]\nversion = "1.5.1"\n', 'b12x is both shared and in [vllm."0.24.0"]'),
     (lambda t: t.replace('[vllm."0.33.0".wheels."linux/arm64"]', '[vllm."latest".wheels."linux/arm64"]'),
      "expected a [vllm.\"X.Y.Z\"] table named after a vLLM release"),
+    (lambda t: t.replace('filename = "vllm-0.33.0.tar.gz"', 'filename = "vllm-0.24.0.tar.gz"'),
+     "sdist: filename 'vllm-0.24.0.tar.gz', expected vllm-0.33.0.tar.gz"),
+    (lambda t: t.replace('[vllm."0.33.0".sdist]', '[vllm."0.33.0".source]'),
+     'vllm."0.33.0"] has source: a base pins only'),
+    (lambda t: t.replace('packages = ["tblib"', 'packages = ["tblib==3.2.2"'),
+     "upstream_tests.packages entry 'tblib==3.2.2' is not a package name"),
 ])
 def test_validation_errors(tmp_path, edit, message):
     with pytest.raises(RecipeError) as caught:
@@ -146,6 +153,24 @@ def test_set_wheel_sha256_edits_only_that_line(version, platform, sha):
     changed = [(a, b) for a, b in zip(text.splitlines(), edited.splitlines()) if a != b]
     assert len(edited.splitlines()) == len(text.splitlines()) and len(changed) <= 1
     assert set_wheel_sha256(edited, version, platform, sha) == edited  # idempotent, deterministic
+
+
+@given(st.sampled_from(["0.24.0", "0.33.0"]), st.text("0123456789abcdef", min_size=64, max_size=64))
+def test_set_sdist_sha256_edits_only_that_line(version, sha):
+    text = RECIPE.path.read_text()
+    edited = set_sdist_sha256(text, version, sha)
+    assert tomllib.loads(edited)["vllm"][version]["sdist"]["sha256"] == sha
+    assert load_recipe("glm5-dsa", vllm=version).sdist.filename == f"vllm-{version}.tar.gz"
+    changed = [(a, b) for a, b in zip(text.splitlines(), edited.splitlines()) if a != b]
+    assert len(edited.splitlines()) == len(text.splitlines()) and len(changed) <= 1
+    with pytest.raises(RecipeError):
+        set_sdist_sha256(text, version, "0" * 63)
+
+
+def test_every_base_pins_its_sdist_by_the_sha256_lock_wrote():
+    for base in load_every_base():
+        assert base.sdist.filename == f"vllm-{base.vllm_version}.tar.gz"
+        assert re.fullmatch(r"[0-9a-f]{64}", base.sdist.sha256), base.sdist
 
 
 def test_set_pins_refuse_invented_values():
@@ -172,7 +197,7 @@ def test_lock_jobs_layout():
     outputs = [str(job.output) for job in lock.lock_jobs(older)]
     assert outputs == ["recipes/locks/vllm-0.24.0/vllm-amd64.txt", "recipes/locks/vllm-0.24.0/vllm-arm64.txt",
                        "recipes/locks/vllm-0.24.0/sm120-amd64.txt", "recipes/locks/vllm-0.24.0/sm120-arm64.txt",
-                       "recipes/locks/dev.txt"]
+                       "recipes/locks/dev.txt", "recipes/locks/upstream-tests.txt"]
     sm120 = next(j for j in lock.lock_jobs(older) if str(j.output) == "recipes/locks/vllm-0.24.0/sm120-arm64.txt")
     argv = lock.uv_command(sm120, "3.11", "uv")
     assert argv[argv.index("--python-platform") + 1] == "aarch64-manylinux_2_28"
@@ -181,5 +206,8 @@ def test_lock_jobs_layout():
     assert argv[argv.index("--custom-compile-command") + 1] == "python3 scripts/recipe.py lock --vllm 0.24.0"
     assert argv[argv.index("--index-url") + 1] == "https://pypi.org/simple" and "--no-config" in argv
     newer = lock.lock_jobs(load_recipe(vllm="0.33.0"))
-    assert [str(j.output) for j in newer][-1] == "recipes/locks/dev.txt"  # every base resolves the one dev lock
+    # every base resolves the one dev lock and the one lock of upstream's test packages
+    assert [str(j.output) for j in newer][-2:] == ["recipes/locks/dev.txt", "recipes/locks/upstream-tests.txt"]
+    upstream = lock.uv_command(newer[-1], "3.11", "uv")
+    assert "--no-deps" in upstream and "--universal" in upstream  # exactly the recipe's packages
     assert all(j.overrides is None for j in newer)  # b12x 1.5.1 needs no torch override

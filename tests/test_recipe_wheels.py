@@ -17,22 +17,28 @@ from dsa_image import wheels
 FILENAME = "fakepkg-1.0-py3-none-any.whl"
 PAYLOAD = b"not really a zip, but bytes with a hash"
 SHA = hashlib.sha256(PAYLOAD).hexdigest()
+SDIST = "fakepkg-1.0.tar.gz"  # an sdist: the vLLM sdists (upstream's tests) come this way
+SDIST_PAYLOAD = b"not really a tarball either"
+SDIST_SHA = hashlib.sha256(SDIST_PAYLOAD).hexdigest()
 
 
 @pytest.fixture
 def index(tmp_path, monkeypatch):
-    """A PEP 691 JSON simple index on 127.0.0.1 listing one file; `listed_sha` is what the
-    index claims, PAYLOAD what it serves."""
+    """A PEP 691 JSON simple index on 127.0.0.1 listing a wheel and an sdist; `listed_sha` is
+    what the index claims for the wheel, PAYLOAD what it serves."""
     state = {"listed_sha": SHA, "downloads": 0}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
+            served = {FILENAME: PAYLOAD, SDIST: SDIST_PAYLOAD}
             if self.path == "/simple/fakepkg/":
+                listed = {FILENAME: state["listed_sha"], SDIST: SDIST_SHA}
                 body = json.dumps({"meta": {"api-version": "1.0"}, "name": "fakepkg", "files": [
-                    {"filename": FILENAME, "url": f"/files/{FILENAME}", "hashes": {"sha256": state["listed_sha"]}}]}).encode()
-            elif self.path == f"/files/{FILENAME}":
+                    {"filename": name, "url": f"/files/{name}", "hashes": {"sha256": sha}}
+                    for name, sha in listed.items()]}).encode()
+            elif self.path.startswith("/files/") and self.path[7:] in served:
                 state["downloads"] += 1
-                body = PAYLOAD
+                body = served[self.path[7:]]
             else:
                 self.send_error(404)
                 return
@@ -93,6 +99,27 @@ def test_unreachable_index(tmp_path, monkeypatch):
     monkeypatch.setenv("DSA_IMAGE_CACHE", str(tmp_path))
     with pytest.raises(wheels.WheelError, match="cannot read the package index"):
         wheels.ensure_wheel(FILENAME, SHA, "http://127.0.0.1:9/simple")
+
+
+def test_an_sdist_is_fetched_pinned_and_rehashed_like_a_wheel(index):
+    """The vLLM sdists (upstream's tests) take the wheels' path: the recipe's sha256 is checked
+    against the index before the download and against the file on every use; kept apart."""
+    assert wheels.project_of(SDIST) == "fakepkg" and wheels.project_of("vllm-0.33.0.tar.gz") == "vllm"
+    with pytest.raises(wheels.WheelError, match="the recipe pins sha256"):
+        wheels.ensure_wheel(SDIST, "1" * 64, index["url"])
+    assert index["downloads"] == 0
+    path, sha = wheels.lock_wheel(SDIST, index["url"])
+    assert sha == SDIST_SHA and path.parent == wheels.cache_dir() / "sdists"
+    assert wheels.ensure_wheel(SDIST, SDIST_SHA, index["url"]) == path and index["downloads"] == 1
+    path.write_bytes(SDIST_PAYLOAD + b"!")
+    with pytest.raises(wheels.WheelError, match=f"cached file has sha256 .*, the recipe pins {SDIST_SHA}"):
+        wheels.ensure_wheel(SDIST, SDIST_SHA, index["url"])
+
+
+@pytest.mark.parametrize("name", ["vllm-0.33.0.zip", "vllm.tar.gz", "vllm-0.33.0-extra.tar.gz", "vllm-0.33.0"])
+def test_what_is_neither_a_wheel_nor_an_sdist_is_refused(name):
+    with pytest.raises(wheels.WheelError, match="not a wheel .* or sdist"):
+        wheels.project_of(name)
 
 
 def test_read_member(tmp_path):

@@ -995,6 +995,9 @@ class DeepseekV32IndexerMetadataBuilder(AttentionMetadataBuilder):
     # so this is None; its own split uses self.decode_threshold.
     reorder_batch_threshold: int | None = None
     requires_block_table_width = True
+    # __init__ decides (VLLM_USE_B12X_SPARSE_INDEXER); a builder made without
+    # it, as vLLM's own tests make one, is the DeepGEMM builder it was.
+    use_b12x: bool = False
 
     @classmethod
     def get_cudagraph_support(
