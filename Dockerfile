@@ -39,6 +39,10 @@ ARG BASE_IMAGE
 FROM ${BASE_IMAGE} AS base
 ARG BASE_IMAGE
 ARG PYTHON_VERSION
+# Checked when BuildKit reads this file, before any step runs. Inside the first RUN the check's
+# text would head BuildKit's error for every failure of that step, "network bridge not found"
+# included. (No apostrophe in the message: the Dockerfile lexer takes it for a quote.)
+ARG PYTHON_VERSION_GIVEN="${PYTHON_VERSION:?is empty: build with docker buildx bake, which passes the pins of the recipe}"
 SHELL ["/bin/bash", "-o", "pipefail", "-euc"]
 ENV DEBIAN_FRONTEND=noninteractive \
     LANG=C.UTF-8 \
@@ -51,9 +55,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # libibverbs1, ibverbs-providers (mlx5 & co), librdmacm1: the RDMA user space NCCL's IB/RoCE
 # transport loads across nodes (the ConnectX link between DGX Sparks); without them NCCL falls
 # back to TCP sockets.
-RUN if [[ -z "${PYTHON_VERSION}" ]]; then \
-        echo "PYTHON_VERSION is empty: build with 'docker buildx bake' (it passes the recipe's pins)" >&2; exit 1; fi; \
-    apt-get update; \
+RUN apt-get update; \
     apt-get install -y --no-install-recommends ca-certificates g++ \
         "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-dev" "python${PYTHON_VERSION}-venv" \
         libibverbs1 ibverbs-providers librdmacm1; \

@@ -6,15 +6,16 @@ On an x86-64 machine everything arm64 runs under QEMU user emulation, registered
 F flag (scripts/install_qemu.sh; checked first, nothing is built without it).
 
 1. `docker buildx bake sm120 --set sm120.platform=linux/arm64` (for a base other than the
-   default, given with --vllm: its own target, `sm120-vllm0_33_0`), TAG=<vLLM version>-arm64, so
+   default, given with --vllm: its own target, e.g. `sm120-vllm0_24_0`), TAG=<vLLM version>-arm64, so
    the image is dsa-image:<vLLM version>-arm64-sm120, with the options this host needs (host
    network, the host's CA bundle for pip) and BASE_IMAGE=NAME (default: the recipe's base).
    It always runs: BuildKit's cache decides what is rebuilt. After a change of a lock, the
    Dockerfile or the overlay the steps that depend on it run again; with nothing changed every
    step comes from the cache. Printed: a digest of the build's inputs (and of the locks, the
    Dockerfile and the overlay alone) and the disk space left to build steps, then each
-   Dockerfile step that ran now, and how many came from the cache. The bake's log:
-   build/logs/bake-<target>-arm64.log (DIR/...).
+   Dockerfile step that ran now, and how many came from the cache. While it runs, a line a
+   minute: the time so far, the steps done and the step running (a cold build spends most of
+   its time in one pip step). The bake's log: build/logs/bake-<target>-arm64.log (DIR/...).
 2. The image is arm64: its config says so, and `uname -m` in it prints aarch64; its labels
    carry the recipe's capabilities and the receipt sha256 docker-bake.json predicts.
 3. The build-time arch checks, run again inside the image (the build's own step may have come
@@ -56,6 +57,8 @@ NAMED_INPUTS = {"locks": ("recipes/locks",), "Dockerfile": ("Dockerfile",), "ove
 # Docker runs of the checks: each may take minutes emulated.
 RUN_TIMEOUT = 1800
 IN_IMAGE = "/opt/dsa-image/ci"  # where the repository's arch_check is mounted in the container
+# Seconds between the progress lines printed while the bake runs (CI's log shows them).
+HEARTBEAT_S = 60
 # A cold arm64 build writes the deps layer (9.3 GB) next to pip's downloads: an estimate with margin.
 COLD_BUILD_GB = 14
 # QEMU's user emulation has no arm64 sysfs CPU identification, and torch 2.14's oneDNN
@@ -161,7 +164,9 @@ def build(repo: Path, recipe: Recipe, base_image: str | None, log_dir: Path) -> 
     say("$ " + image_build.bake_invocation(options, target) + f" --set {target}.platform={PLATFORM}")
     try:
         result = image_build.bake(repo, target, options, [f"{target}.platform={PLATFORM}"], timeout=5400,
-                                  log_name=f"bake-{target}-arm64")
+                                  log_name=f"bake-{target}-arm64",
+                                  progress=lambda line: say(f"baking {target} for {PLATFORM}: {line}"),
+                                  heartbeat_s=HEARTBEAT_S)
     except (image_build.BuildError, subprocess.TimeoutExpired) as exc:
         hint = ""
         if "No space left on device" in str(exc):

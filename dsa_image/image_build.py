@@ -3,16 +3,20 @@
 Used by the tests (conftest's image fixtures), CI and `scripts/preflight.py`. Stdlib only:
 subprocess + the docker CLI.
 
-* `BakeOptions.for_this_machine`: host networking (works on any engine, and is the only network
-  on engines started without a bridge, like CI's) and the host's CA bundle as the `pip-ca`
-  build secret when one exists (needed behind a TLS-intercepting proxy, harmless elsewhere).
+* `BakeOptions.for_this_machine`: the build network preflight picks (`build_network`: the
+  default one when the engine has a docker0 bridge, else host networking, as on CI's engine;
+  BUILD_NETWORK when set) and the host's CA bundle as the `pip-ca` build secret when one
+  exists (needed behind a TLS-intercepting proxy, harmless elsewhere).
 * `bake`: build targets with `--progress plain`, keep the log, parse which steps ran and which
   came from the cache (`parse_steps`); a target with a local output (bake target `test`) is
-  exported into a directory emptied first, so what is there came from this build.
+  exported into a directory emptied first, so what is there came from this build. The default
+  network on an engine without a bridge is refused before anything runs; with `progress`, a
+  line a minute says how long the bake has run and which step is running (`LiveSteps`).
 * `read_test_results`: the in-image pytest run's counts and test files, from that export.
 * `bake_print`: the resolved definition (`docker buildx bake --print`) as a dict.
-* `HostFacts` / `preflight_options` / `bake_invocation`: what this host lacks (a docker0
-  bridge, a reachable registry, direct TLS) and the bake command that works here.
+* `HostFacts` / `choose_base` / `preflight_options` / `bake_invocation`: what this host lacks (a
+  docker0 bridge, a reachable registry, direct TLS), the base image a build here uses (the
+  tests' `base_image` fixture asks `choose_base` too) and the bake command that works here.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 MIN_BUILDX = (0, 15)  # bake's `network` attribute
@@ -36,7 +42,10 @@ MIN_BUILDX = (0, 15)  # bake's `network` attribute
 DOCKER_DOCS = "docs/image.md#getting-docker-and-buildx"
 HOST_DOCS = "docs/image.md#hosts-without-a-registry-a-bridge-or-direct-tls"
 LOCAL_BASE_IMAGE = "dsa-image-base:bookworm"  # what scripts/bootstrap_base_image.sh makes
+MAKE_LOCAL_BASE = f"sudo bash scripts/bootstrap_base_image.sh {LOCAL_BASE_IMAGE}"
 BRIDGE_MISSING = "network bridge not found"
+NO_BRIDGE = (f"this Docker engine has no docker0 bridge ('{BRIDGE_MISSING}' in every RUN step of a "
+             f"default build): build with BUILD_NETWORK=host and --allow network.host")
 
 
 class BuildError(Exception):
@@ -62,6 +71,24 @@ def buildx_problem() -> str | None:
     return None
 
 
+def _docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def engine_has_bridge() -> bool:
+    """Whether RUN steps can use the default network: the engine has the `bridge` network
+    (dockerd --bridge=none, as scripts/install_docker.sh starts it, has none)."""
+    try:
+        return _docker("network", "inspect", "bridge").returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def build_network() -> str:
+    """The bake's BUILD_NETWORK here: the user's when set, else what this engine can run."""
+    return os.environ.get("BUILD_NETWORK") or ("default" if engine_has_bridge() else "host")
+
+
 @dataclass(frozen=True)
 class BakeOptions:
     base_image: str | None = None  # None: the recipe's (docker-bake.json)
@@ -77,7 +104,7 @@ class BakeOptions:
             pip_ca = Path(configured) if configured else None
         else:
             pip_ca = HOST_CA_BUNDLE if HOST_CA_BUNDLE.is_file() else None
-        return cls(base_image=base_image, network="host", pip_ca=pip_ca, log_dir=log_dir)
+        return cls(base_image=base_image, network=build_network(), pip_ca=pip_ca, log_dir=log_dir)
 
     def with_variables(self, **variables: str) -> "BakeOptions":
         return BakeOptions(self.base_image, self.network, self.pip_ca, self.log_dir, {**self.variables, **variables})
@@ -193,8 +220,7 @@ def _clear_export(repo: Path, directory: Path) -> None:
 def failure_hint(log: str) -> str:
     """What to do about a failure this repository's docs explain, or ""."""
     if BRIDGE_MISSING in log:
-        return (f"\n'{BRIDGE_MISSING}': this Docker engine has no docker0 bridge; build with "
-                f"BUILD_NETWORK=host and --allow network.host ({HOST_DOCS}; `python3 scripts/preflight.py` "
+        return (f"\n'{BRIDGE_MISSING}': {NO_BRIDGE} ({HOST_DOCS}; `python3 scripts/preflight.py` "
                 f"prints the command for this host)")
     if "CERTIFICATE_VERIFY_FAILED" in log:
         return (f"\npip does not trust this network's TLS (an intercepting proxy?): build with "
@@ -202,9 +228,87 @@ def failure_hint(log: str) -> str:
     return ""
 
 
+class LiveSteps:
+    """The build steps `--progress plain` has started and finished, read as its lines come."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started: dict[int, tuple[str, float]] = {}
+        self._finished: set[int] = set()
+
+    def feed(self, line: str, now: float) -> None:
+        state, named = _VERTEX_STATE.match(line), _VERTEX_NAME.match(line)
+        with self._lock:
+            if state:
+                self._finished.add(int(state.group(1)))
+            elif named and int(named.group(1)) not in self._started:
+                self._started[int(named.group(1))] = (named.group(2), now)
+
+    def summary(self, started: float, now: float) -> str:
+        """'7 min 12 s, 9 steps done; running for 5 min 3 s: [deps 1/2] RUN pip ...'."""
+        with self._lock:
+            running = sorted((since, name) for vertex, (name, since) in self._started.items()
+                             if vertex not in self._finished)
+            done = len(self._finished)
+        line = f"{_minutes(now - started)}, {done} steps done"
+        if running:
+            since, name = running[0]
+            more = f" (and {len(running) - 1} more)" if len(running) > 1 else ""
+            line += f"; running for {_minutes(now - since)}: {name[:120]}{more}"
+        else:
+            line += "; no step running"
+        return line
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
+def run_build(command: list[str], repo: Path, env: dict[str, str], timeout: float,
+              progress: Callable[[str], None] | None = None,
+              heartbeat_s: float = 60) -> subprocess.CompletedProcess:
+    """Run a build command, its output (stdout and stderr) kept; with `progress`, every
+    `heartbeat_s` a line with the time so far and the step running (a cold arm64 bake runs
+    20 minutes in one pip step). Past `timeout` the command is killed: TimeoutExpired."""
+    started = time.monotonic()
+    process = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, errors="replace")
+    lines: list[str] = []
+    live = LiveSteps()
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append(line)
+            live.feed(line.rstrip("\n"), time.monotonic())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = started + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            process.wait(timeout=max(0.0, min(left, heartbeat_s) if progress else left))
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                process.kill()
+                process.wait()
+                reader.join()
+                raise subprocess.TimeoutExpired(command, timeout, "".join(lines)) from None
+            progress(live.summary(started, time.monotonic()))
+    reader.join()
+    return subprocess.CompletedProcess(command, process.returncode, "".join(lines))
+
+
 def bake(repo: Path, target: str, options: BakeOptions, sets: list[str] = (), timeout: float = 3600,
-         log_name: str | None = None) -> BuildResult:
-    """Build one bake target; the log goes to options.log_dir/<log_name or bake-TARGET>.log."""
+         log_name: str | None = None, progress: Callable[[str], None] | None = None,
+         heartbeat_s: float = 60) -> BuildResult:
+    """Build one bake target; the log goes to options.log_dir/<log_name or bake-TARGET>.log.
+    `progress` gets a line every `heartbeat_s` while it runs (`run_build`)."""
+    if options.network == "default" and not engine_has_bridge():
+        raise BuildError(f"not starting `docker buildx bake {target}`: {NO_BRIDGE} "
+                         f"({HOST_DOCS}; `python3 scripts/preflight.py` prints the command for this host). "
+                         f"Nothing was built.")
     definition = bake_print(repo, [target], options)
     tags = tuple(definition["target"][target].get("tags", []))
     exported = local_output(repo, definition["target"][target])
@@ -217,8 +321,7 @@ def bake(repo: Path, target: str, options: BakeOptions, sets: list[str] = (), ti
         options.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = options.log_dir / f"{log_name or f'bake-{target}'}.log"
     started = time.monotonic()
-    done = subprocess.run(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
+    done = run_build(command, repo, env, timeout, progress, heartbeat_s)
     seconds = time.monotonic() - started
     if log_path:
         log_path.write_text(f"$ {' '.join(command)}\n{done.stdout}\n# exit {done.returncode} after {seconds:.0f} s\n")
@@ -270,10 +373,6 @@ def read_test_results(directory: Path) -> PytestResults:
 
 
 # -- preflight: what this host needs to build ------------------------------------------------
-
-def _docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
-
 
 def public_ca_bundle(repo: Path | None = None) -> str | None:
     """The Mozilla CA bundle as certifi ships it: what pip in a fresh image trusts, unlike this
@@ -343,7 +442,7 @@ def host_facts(base_image: str, check_tls: bool = True, repo: Path | None = None
         problem = f"no Docker engine answers ({info.stderr.strip()}); start it, or see {DOCKER_DOCS}"
         return HostFacts(problem, buildx_problem(), False, base_image, False, None, False, intercepted, ca_bundle,
                          public)
-    bridge = _docker("network", "inspect", "bridge").returncode == 0
+    bridge = engine_has_bridge()
     base_local = _docker("image", "inspect", base_image).returncode == 0
     base_pullable = None
     if not base_local:
@@ -354,6 +453,36 @@ def host_facts(base_image: str, check_tls: bool = True, repo: Path | None = None
     local_base = _docker("image", "inspect", LOCAL_BASE_IMAGE).returncode == 0
     return HostFacts(None, buildx_problem(), bridge, base_image, base_local, base_pullable, local_base,
                      intercepted, ca_bundle, public)
+
+
+@dataclass(frozen=True)
+class BaseChoice:
+    """The base image a build here uses. With `problem` set nothing can build yet: `image` is
+    what to build on once the problem's fix is done."""
+
+    image: str
+    note: str | None  # why this one
+    problem: str | None  # what must be done first, with the command that does it
+
+
+def choose_base(facts: HostFacts, recipe_base: str, variable: str = "BASE_IMAGE") -> BaseChoice:
+    """The one rule for preflight and the tests (their `base_image` fixture): the requested base
+    when this engine has it or a registry serves it; for the recipe's base, else the local one
+    scripts/bootstrap_base_image.sh makes, when it is here. A base the user named (`variable`)
+    is never swapped for another."""
+    wanted = facts.base_image
+    if facts.base_local or facts.base_pullable:
+        return BaseChoice(wanted, f"base image {wanted}: {'in this engine' if facts.base_local else 'a registry serves it'}",
+                          None)
+    missing = f"base image {wanted}: not in this engine and no registry serves it"
+    if wanted != recipe_base:
+        return BaseChoice(wanted, None, f"{missing} ({variable}={wanted}); make it (a local Debian bookworm base: "
+                                        f"sudo bash scripts/bootstrap_base_image.sh {wanted}) or unset {variable}")
+    if facts.local_base:
+        return BaseChoice(LOCAL_BASE_IMAGE, f"{missing}; using the local {LOCAL_BASE_IMAGE} "
+                                            f"(scripts/bootstrap_base_image.sh): {variable}={LOCAL_BASE_IMAGE}", None)
+    return BaseChoice(LOCAL_BASE_IMAGE, None, f"{missing}; make a local one first: {MAKE_LOCAL_BASE} "
+                                              f"(then {variable}={LOCAL_BASE_IMAGE})")
 
 
 @dataclass(frozen=True)
@@ -376,17 +505,12 @@ def preflight_options(facts: HostFacts, recipe_base: str) -> Preflight:
         network = "host"
         notes.append(f"no docker0 bridge ('{BRIDGE_MISSING}' in a default build): BUILD_NETWORK=host, "
                      f"--allow network.host")
-    base = None if facts.base_image == recipe_base else facts.base_image
-    if facts.base_local or facts.base_pullable:
-        notes.append(f"base image {facts.base_image}: {'in this engine' if facts.base_local else 'a registry serves it'}")
-    elif facts.local_base:
-        base = LOCAL_BASE_IMAGE
-        notes.append(f"base image {facts.base_image}: not here and no registry serves it; using the local "
-                     f"{LOCAL_BASE_IMAGE} (scripts/bootstrap_base_image.sh): BASE_IMAGE={LOCAL_BASE_IMAGE}")
-    else:
-        blockers.append(f"base image {facts.base_image}: not here and no registry serves it; make a local one "
-                        f"first: sudo bash scripts/bootstrap_base_image.sh (then BASE_IMAGE={LOCAL_BASE_IMAGE})")
-        base = LOCAL_BASE_IMAGE
+    choice = choose_base(facts, recipe_base)
+    if choice.note:
+        notes.append(choice.note)
+    if choice.problem:
+        blockers.append(choice.problem)
+    base = None if choice.image == recipe_base else choice.image
     pip_ca = None
     if facts.tls_intercepted:
         if facts.ca_bundle:

@@ -5,8 +5,9 @@
 
 Checks the Docker engine and buildx, whether the engine has a docker0 bridge (without one a
 default build fails with "network bridge not found"), whether the base image is here or a
-registry serves it (else a local one from scripts/bootstrap_base_image.sh), and whether HTTPS
-to PyPI is intercepted (then pip needs the host's CA bundle). Prints one line per finding,
+registry serves it (else, for the recipe's, the local one from scripts/bootstrap_base_image.sh;
+one named in BASE_IMAGE is never swapped; the tests choose theirs by the same rule), and whether
+HTTPS to PyPI is intercepted (then pip needs the host's CA bundle). Prints one line per finding,
 then the command. Nothing is built, pulled or changed. docs/image.md explains each part
 ("Hosts without a registry, a bridge or direct TLS").
 

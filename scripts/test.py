@@ -6,8 +6,14 @@
 Creates .venv when missing, installs recipes/locks/dev.txt into it with --require-hashes
 (again only when that lock changed), then runs pytest with the given arguments.
 
+The Docker tests build on the base `scripts/preflight.py` picks: the recipe's when this engine
+has it or a registry serves it, else dsa-image-base:bookworm when this engine has it (made by
+`sudo bash scripts/bootstrap_base_image.sh dsa-image-base:bookworm`); with neither they skip,
+saying so. Their build network too: the default one, or host networking on an engine without
+a docker0 bridge.
+
 Environment: DSA_IMAGE_REQUIRE_DOCKER=1 turns skipped Docker tests into failures (CI);
-DSA_IMAGE_BASE_IMAGE=NAME builds on a local base image instead of the recipe's.
+DSA_IMAGE_BASE_IMAGE=NAME builds on that base image instead (never replaced by another).
 
 Exit codes: pytest's (0 all passed; 5 "no tests collected" is a failure too, like any
 non-zero); 3 the environment could not be prepared.

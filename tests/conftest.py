@@ -1,7 +1,8 @@
 """Shared fixtures: a Docker engine with buildx, the base image, the built images, a GPU.
 
-Docker-marked tests skip when there is no engine or no buildx, with the reason; with
-DSA_IMAGE_REQUIRE_DOCKER=1 (CI) they fail instead, so a broken engine cannot pass as a skip.
+Docker-marked tests skip when there is no engine, no buildx or no base image to build on, with
+the reason and the fix; with DSA_IMAGE_REQUIRE_DOCKER=1 (CI) they fail instead, so a broken
+engine cannot pass as a skip.
 """
 
 from __future__ import annotations
@@ -61,11 +62,24 @@ def buildx():
         _unavailable(problem)
 
 
+BASE_IMAGE_VARIABLE = "DSA_IMAGE_BASE_IMAGE"
+
+
 @pytest.fixture(scope="session")
 def base_image() -> str:
-    """The base image to build on: DSA_IMAGE_BASE_IMAGE (CI: a local debootstrap import, since
-    no registry is reachable there) or the recipe's."""
-    return os.environ.get("DSA_IMAGE_BASE_IMAGE") or load_recipe().base_ref
+    """The base image to build on, chosen as `scripts/preflight.py` chooses it
+    (image_build.choose_base): DSA_IMAGE_BASE_IMAGE when set (CI: a local debootstrap import),
+    else the recipe's when this engine has it or a registry serves it, else the local
+    dsa-image-base:bookworm of scripts/bootstrap_base_image.sh. None of them: the tests that
+    build skip with the command that makes one (fail under DSA_IMAGE_REQUIRE_DOCKER=1)."""
+    recipe_base = load_recipe().base_ref
+    facts = image_build.host_facts(os.environ.get(BASE_IMAGE_VARIABLE) or recipe_base, check_tls=False)
+    if facts.engine_problem:
+        _unavailable(facts.engine_problem)
+    choice = image_build.choose_base(facts, recipe_base, BASE_IMAGE_VARIABLE)
+    if choice.problem:
+        _unavailable(f"no base image to build on: {choice.problem}")
+    return choice.image
 
 
 @pytest.fixture(scope="session")

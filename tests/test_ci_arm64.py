@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -119,7 +120,7 @@ def test_ci_stops_before_any_build_when_qemu_cannot_be_installed(tmp_path):
 
 FAKE_DOCKER = r'''#!/usr/bin/env python3
 """A docker CLI that logs each call and answers like the real one for what build_arm64 asks."""
-import json, os, sys
+import json, os, sys, time
 args = sys.argv[1:]
 # what a CPU directory mounted at /sys/devices/system/cpu says about cpu0, while the run lasts
 cpu = [a.split(":")[0] for a in args if a.endswith(":/sys/devices/system/cpu:ro")]
@@ -133,7 +134,9 @@ if args[:3] == ["buildx", "bake", "--print"]:
     target = next(a for a in args[3:] if not a.startswith("-"))
     print(json.dumps({"target": {target: {"tags": [image], "output": ["type=docker"]}}}))
 elif args[:2] == ["buildx", "bake"]:
-    print("#7 [linux/arm64 deps 1/2] RUN pip install --require-hashes\n#7 DONE 612.5s\n"
+    print("#7 [linux/arm64 deps 1/2] RUN pip install --require-hashes", flush=True)
+    time.sleep(float(os.environ.get("FAKE_BAKE_SECONDS", "0")))  # the pip step running
+    print("#7 DONE 612.5s\n"
           "#8 [linux/arm64 overlay 1/7] COPY dsa_image/ /opt/dsa-image/tool/dsa_image/\n#8 CACHED")
     if os.environ.get("FAKE_BAKE_ENOSPC"):
         print("#7 877.3 ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device")
@@ -217,6 +220,23 @@ def test_the_arm64_step_bakes_sm120_for_arm64_and_checks_it_in_that_image(fake_d
     assert "1 of 2 Dockerfile steps ran now" in err and "[linux/arm64 deps 1/2]" in err
     assert "build inputs sha256 " in err and "locks " in err and "overlay " in err
     assert (tmp_path / "logs" / "bake-sm120-arm64.log").is_file()
+
+
+def test_the_arm64_step_says_every_heartbeat_how_long_the_bake_has_run_and_which_step_runs(
+        fake_docker, tmp_path, monkeypatch, capsys):
+    """A cold arm64 bake runs ~20 minutes, most of it in one pip step: CI's log gets a line
+    a heartbeat (a minute in CI) while it runs, not silence."""
+    module, _ = fake_docker
+    monkeypatch.setattr(module, "HEARTBEAT_S", 0.2)
+    monkeypatch.setenv("FAKE_BAKE_SECONDS", "2.5")
+    assert module.main(["--log-dir", str(tmp_path / "logs")]) == 0
+    err = capsys.readouterr().err
+    beats = [line for line in err.splitlines() if line.startswith("build_arm64: baking sm120 for linux/arm64: ")]
+    running = [line for line in beats if "running for " in line]
+    assert len(running) >= 3 and all("[linux/arm64 deps 1/2] RUN pip install" in line for line in running), err
+    # the time so far and the step's own time, both growing
+    assert re.search(r": 0 min [1-9] s, 0 steps done; running for 0 min [1-9] s: ", "\n".join(running)), running
+    assert err.index(beats[-1]) < err.index("built dsa-image:"), "the heartbeats came after the bake"
 
 
 @on_aarch64

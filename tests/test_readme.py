@@ -1,7 +1,11 @@
 """The README's first commands are the ones that work: right image tag, the test command CI runs."""
 
+import ast
 import re
+import tomllib
 from pathlib import Path
+
+import pytest
 
 from dsa_image.recipe import load_recipe
 
@@ -106,3 +110,111 @@ def test_every_relative_link_in_the_docs_names_a_file_and_section_that_exist():
             elif anchor and target.suffix == ".md" and anchor not in anchors(target.read_text()):
                 broken.append(f"{doc.relative_to(REPO)}: {link} (no section #{anchor})")
     assert not broken, "\n".join(broken)
+
+
+# -- the b12x section: every variable, version and default it names is an image's own ---------
+# Facts come from the recipe and each base's overlay source (its b12x module's constants and
+# functions); tests/test_b12x_api.py ties those constants to the pinned b12x wheels.
+
+B12X_SECTION = "### The b12x indexer and its variables"
+ENV_NAME = re.compile(r"\b(?:VLLM|B12X)_[A-Z0-9_]+\b")
+RELEASE = re.compile(r"\b\d+\.\d+\.(?:\d+|x)\b")  # 1.5.1, 1.5.x; not compute capability 12.0
+
+
+def _b12x_items() -> list[str]:
+    """The section's paragraphs and list items, each on one line."""
+    section = README.split(B12X_SECTION, 1)[1].split("\n## ", 1)[0].split("\n", 1)[1]
+    return [" ".join(item.split()) for item in re.split(r"\n(?=- )|\n\n", section) if item.strip()]
+
+
+def _b12x_module(version: str) -> tuple[str, dict]:
+    from dsa_image import b12x_api, overlay
+    source = (overlay.overlay_dir(version) / b12x_api.OVERLAY_MODULE).read_text()
+    return source, b12x_api.module_constants(source)
+
+
+def _base_facts(base) -> tuple[set[str], set[str]]:
+    """(variables its overlay names, versions and release lines of its image)."""
+    from dsa_image import overlay
+    sources = "".join(path.read_text() for path in sorted(overlay.overlay_dir(base.vllm_version).rglob("*.py")))
+    _, constants = _b12x_module(base.vllm_version)
+    releases = constants.get("SUPPORTED_RELEASES") or (constants["SUPPORTED_RELEASE"],)
+    b12x = next(e for e in base.targets["sm120"].extras if e.name == "b12x").version
+    return set(ENV_NAME.findall(sources)), {base.vllm_version, b12x, *(f"{a}.{b}.x" for a, b in releases)}
+
+
+def _items_by_base() -> dict[str, list[str]]:
+    """Each item under the base it speaks of: another base's when it names that base's vLLM
+    version or bake suffix (both bases' when it names the default's too), else the default's."""
+    from dsa_image.recipe import load_every_base
+    default = load_recipe().vllm_version
+    by_base: dict[str, list[str]] = {base.vllm_version: [] for base in load_every_base()}
+    for item in _b12x_items():
+        named = [v for v in by_base if v != default and (v in item or f"vllm{v.replace('.', '_')}" in item)]
+        for version in named + ([default] if not named or default in item else []):
+            by_base[version].append(item)
+    return by_base
+
+
+def test_every_variable_and_version_the_b12x_section_names_is_its_images_own():
+    from dsa_image.recipe import load_every_base
+    bases = {base.vllm_version: base for base in load_every_base()}
+    by_base = _items_by_base()
+    wrong = []
+    for item in _b12x_items():
+        speaks_of = [v for v, items in by_base.items() if item in items]
+        facts = [_base_facts(bases[v]) for v in speaks_of]
+        known_names = set().union(*(names for names, _ in facts))
+        known_versions = set().union(*(versions for _, versions in facts))
+        wrong += [f"{name} (not in the overlay of vLLM {'/'.join(speaks_of)}): {item[:80]}"
+                  for name in ENV_NAME.findall(item) if name not in known_names]
+        wrong += [f"{release} (not a version of the vLLM {'/'.join(speaks_of)} image): {item[:80]}"
+                  for release in RELEASE.findall(item) if release not in known_versions]
+    assert wrong == []
+    for version, base in bases.items():
+        _, versions = _base_facts(base)
+        b12x = next(e for e in base.targets["sm120"].extras if e.name == "b12x").version
+        assert any(b12x in item for item in by_base[version]), f"the b12x pin of vLLM {version} ({b12x})"
+
+
+def _overlay_functions(source: str, constants: dict, *names: str) -> dict:
+    """Pure functions of an overlay module, run from its source (the module imports torch and
+    vLLM), with its constants as globals."""
+    tree = ast.parse(source)
+    wanted = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    namespace = dict(constants)
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), "<overlay>", "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+def test_the_b12x_section_names_the_default_images_variables_and_defaults():
+    recipe = load_recipe()
+    text = " ".join(_items_by_base()[recipe.vllm_version])
+    source, constants = _b12x_module(recipe.vllm_version)
+    refused = {ast.literal_eval(key) for node in ast.parse(source).body if isinstance(node, ast.Assign)
+               and getattr(node.targets[0], "id", "") == "IGNORED_VARIABLES" for key in node.value.keys}
+    assert refused, "the overlay's IGNORED_VARIABLES"
+    for name in (constants["SWITCH_VARIABLE"], constants["SUPERTILE_VARIABLE"], *refused):
+        assert f"`{name}`" in text, name
+    supertile = text.split(f"`{constants['SUPERTILE_VARIABLE']}` (", 1)[1]
+    assert f"default {constants['SUPERTILE_DEFAULT']}, rounded up to a multiple of {constants['SUPERTILE_ALIGNMENT']}" \
+        in supertile
+    major, minor = constants["SUPPORTED_RELEASE"]
+    b12x = next(e for e in recipe.targets["sm120"].extras if e.name == "b12x").version
+    assert f"other than {major}.{minor}.x (the image pins {b12x})" in text
+    # the rows per prefill chunk, from the overlay's own functions at the defaults named
+    budget_mb = int(re.search(r"`VLLM_SPARSE_INDEXER_MAX_LOGITS_MB` \(default (\d+)\)", text).group(1))
+    topk = tomllib.loads((REPO / "recipes" / "models" / "glm-5.toml").read_text())["config"]["index_topk"]
+    rows = _overlay_functions(source, constants, "prefill_row_bytes", "prefill_rows_per_chunk")[
+        "prefill_rows_per_chunk"](constants["SUPERTILE_DEFAULT"], topk, budget_mb * 1024 * 1024)
+    assert f"{rows:,} rows per prefill chunk at the defaults" in text, rows
+
+
+@pytest.mark.wheel
+def test_the_logits_budget_the_b12x_section_names_is_the_pinned_vllms_default():
+    from dsa_image import wheels
+    recipe = load_recipe()
+    wheel = recipe.wheel("amd64")
+    envs = wheels.read_member(wheels.ensure_wheel(wheel.filename, wheel.sha256), "vllm/envs.py").decode()
+    default = re.search(r'"VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "(\d+)"', envs).group(1)
+    assert f"`VLLM_SPARSE_INDEXER_MAX_LOGITS_MB` (default {default})" in " ".join(_b12x_items())
