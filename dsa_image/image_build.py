@@ -245,7 +245,7 @@ class LiveSteps:
                 self._started[int(named.group(1))] = (named.group(2), now)
 
     def summary(self, started: float, now: float) -> str:
-        """'7 min 12 s, 9 steps done; running for 5 min 3 s: [deps 1/2] RUN pip ...'."""
+        """E.g. '7 min 12 s, 9 steps done; running for 5 min 3 s: [deps 1/2] RUN pip ...'."""
         with self._lock:
             running = sorted((since, name) for vertex, (name, since) in self._started.items()
                              if vertex not in self._finished)
@@ -268,8 +268,9 @@ def run_build(command: list[str], repo: Path, env: dict[str, str], timeout: floa
               progress: Callable[[str], None] | None = None,
               heartbeat_s: float = 60) -> subprocess.CompletedProcess:
     """Run a build command, its output (stdout and stderr) kept; with `progress`, every
-    `heartbeat_s` a line with the time so far and the step running (a cold arm64 bake runs
-    20 minutes in one pip step). Past `timeout` the command is killed: TimeoutExpired."""
+    `heartbeat_s` a line with the time so far and the step running (a cold arm64 bake spends
+    most of its ~19 minutes in one pip step). Past `timeout` the command is killed:
+    TimeoutExpired, with the output so far."""
     started = time.monotonic()
     process = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, errors="replace")
@@ -295,7 +296,8 @@ def run_build(command: list[str], repo: Path, env: dict[str, str], timeout: floa
                 process.wait()
                 reader.join()
                 raise subprocess.TimeoutExpired(command, timeout, "".join(lines)) from None
-            progress(live.summary(started, time.monotonic()))
+            if progress:
+                progress(live.summary(started, time.monotonic()))
     reader.join()
     return subprocess.CompletedProcess(command, process.returncode, "".join(lines))
 

@@ -116,6 +116,30 @@ def test_ci_stops_before_any_build_when_qemu_cannot_be_installed(tmp_path):
     assert not any(call.startswith(("bootstrap_base_image.sh", "test.py", "build_arm64.py")) for call in calls), calls
 
 
+def _ci_texts() -> dict[str, str]:
+    """What says what CI builds: .ci/run, the arm64 step's docstring, docs/image.md's CI parts."""
+    image_md = (REPO / "docs" / "image.md").read_text()
+    return {".ci/run": (REPO / ".ci" / "run").read_text(),
+            "dsa_image/arm64_build.py": (REPO / "dsa_image" / "arm64_build.py").read_text().split('"""')[1],
+            "docs/image.md, In CI": image_md.split("### In CI\n", 1)[1].split("\n## ", 1)[0],
+            "docs/image.md, CI": image_md.split("## CI: `.ci/run`\n", 1)[1].split("\n## ", 1)[0]}
+
+
+def test_ci_and_its_docs_name_the_targets_ci_builds():
+    """CI builds the default base under the plain names (`test`, `sm120`) and every other base's
+    `test` target under its own name: a base-suffixed name in what describes CI is another
+    base's, and the other bases' test targets are the ones named."""
+    from dsa_image.recipe import load_every_base
+    others = [base for base in load_every_base() if base.vllm_version != base.default_vllm]
+    suffixes = {f"vllm{base.vllm_version.replace('.', '_')}" for base in others}
+    for where, text in _ci_texts().items():
+        named = set(re.findall(r"\b[a-z0-9]+-(vllm\d+_\d+_\d+)\b", text))
+        assert named <= suffixes, f"{where} names the default base by its suffix: {sorted(named - suffixes)}"
+    for where in (".ci/run", "docs/image.md, CI"):
+        assert {base.bake_target("test") for base in others} <= set(re.findall(r"\btest-vllm\d+_\d+_\d+\b",
+                                                                                _ci_texts()[where])), where
+
+
 # -- scripts/build_arm64.py against a fake docker CLI -----------------------------------------
 
 FAKE_DOCKER = r'''#!/usr/bin/env python3

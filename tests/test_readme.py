@@ -218,3 +218,34 @@ def test_the_logits_budget_the_b12x_section_names_is_the_pinned_vllms_default():
     envs = wheels.read_member(wheels.ensure_wheel(wheel.filename, wheel.sha256), "vllm/envs.py").decode()
     default = re.search(r'"VLLM_SPARSE_INDEXER_MAX_LOGITS_MB", "(\d+)"', envs).group(1)
     assert f"`VLLM_SPARSE_INDEXER_MAX_LOGITS_MB` (default {default})" in " ".join(_b12x_items())
+
+
+# -- CI and disk figures: each one said with the run that measured it -------------------------
+
+FIGURE = re.compile(r"\b\d[\d,.]*\s?(?:GB|min|s)\b|\b\d[\d,]* (?:passed|skipped|tests)\b")
+NAMES_A_RUN = re.compile(r"20\d\d-\d\d-\d\d.*`[0-9a-f]{7,40}`.*`bash \.ci/run[^`]*`", re.S)
+
+
+def _ci_paragraphs() -> list[str]:
+    image_md = (REPO / "docs" / "image.md").read_text()
+    section = image_md.split("## CI: `.ci/run`\n", 1)[1].split("\n## ", 1)[0]
+    return [p for p in section.split("\n\n") if p.strip() and not p.startswith("#")]
+
+
+def test_every_ci_figure_in_the_docs_says_which_run_measured_it():
+    """A figure comes from a run someone made: a paragraph of docs/image.md's CI section with a
+    count, a time or a size names its run (date, commit, `bash .ci/run`), or is about "that run"
+    right after one that does."""
+    named = False
+    for paragraph in _ci_paragraphs():
+        if FIGURE.search(paragraph):
+            named = bool(NAMES_A_RUN.search(paragraph)) or (named and "that run" in paragraph)
+            assert named, f"figures without their run: {paragraph[:160]}"
+
+
+def test_the_readme_says_what_disk_a_build_needs_as_the_recorded_run_measured_it():
+    paragraph = next(p for p in README.split("\n\n") if "disk where Docker keeps its data" in p)
+    figures = re.findall(r"\b\d[\d.]* GB\b", paragraph)
+    disk = (REPO / "docs" / "image.md").read_text().split("### Disk\n", 1)[1].split("\n## ", 1)[0]
+    assert len(figures) >= 3 and all(figure in disk for figure in figures), (figures, disk)
+    assert "docs/image.md#disk" in paragraph
