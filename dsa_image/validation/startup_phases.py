@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from dsa_image.validation.serving import JIT_LINE, jit_kernel_name
+from dsa_image.validation.serving import JIT_LINE, STARTED, jit_kernel_name
 from dsa_image.validation.warmstart import DEEPGEMM_NVCC, FLASHINFER_BUILD
 
 # "(APIServer pid=4385) INFO 12-01 04:03:45 [startup.py:38] ..." (vLLM's format, datefmt %m-%d
@@ -50,7 +50,6 @@ FLASHINFER_LINE = re.compile(r"(?P<date>\d{4}-\d\d-\d\d) (?P<clock>\d\d:\d\d:\d\
 # "W1201 04:03:29.866000 4385 torch/_opaque_base.py:6] ..." (torch's glog-style warnings).
 GLOG_LINE = re.compile(r"^[WIEF](?P<month>\d\d)(?P<day>\d\d) (?P<clock>\d\d:\d\d:\d\d)\.(?P<us>\d+) +"
                        r"(?P<pid>\d+) \S+\] (?P<msg>.*)")
-STARTED = "dsa-image: server process started at "
 STARTED_LINE = re.compile(re.escape(STARTED) + r"(?P<stamp>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)")
 WARMUP_STEP = re.compile(r"dsa-image warmup: (?P<step>[\w+.-]+): \d+ request\(s\) in (?P<s>[\d.]+) s")
 HEALTHY_LINE = "Starting vLLM server on"
