@@ -16,3 +16,29 @@ def test_before_is_the_image_without_the_start_up_flags_and_after_is_the_image_n
     served = entrypoint.plan_serve([], recipe, target, {}).argv
     assert all(flag in served for flag in flags["after"][::2])
 
+
+
+def test_the_four_starts_run_in_order_and_an_after_start_without_its_build_is_refused(tmp_path):
+    """Against a fake vLLM (tests/test_bench.py) that has no FlashInfer: the precompile build
+    fails, so the after-cold start is not made; the other three are, each server's log opening
+    with its process start, the before ones given the image's old flags."""
+    import json
+
+    import test_bench as fakes
+    from dsa_image.tiny_model import write_model
+
+    write_model(tmp_path / "model")
+    site = fakes.fake_vllm_site(tmp_path / "site", fake={"ttft_s": 0.002})
+    out = tmp_path / "out"
+    code = startup.main(["--model", str(tmp_path / "model"), "--site", str(site), "--out", str(out),
+                         "--port-base", str(fakes.free_ports(1)), "--health-timeout", "60"])
+    doc = json.loads((out / "startup.json").read_text())
+    assert code == 1 and list(doc["starts"]) == ["before-cold", "after-cold", "before-restart", "after-restart"]
+    assert doc["precompile_build"]["exit"] != 0 and "precompile build failed" in doc["starts"]["after-cold"]["error"]
+    assert "FlashInfer" in (out / "precompile-build.log").read_text()
+    before = doc["starts"]["before-cold"]["sides"]["overlay"]
+    assert before["healthy_after_s"] > 0 and "warmup" in before and "Starting vLLM" in doc["starts"]["before-cold"]["phases_error"]
+    log = (out / "before" / before["server_log"]).read_text().splitlines()
+    assert log[0].startswith("dsa-image: server process started at ")
+    assert str(doc["flags"]["before"])[1:-1] in log[1] and "--max-num-seqs" not in log[1]
+    assert "--max-num-seqs" in (out / "after" / doc["starts"]["after-restart"]["sides"]["overlay"]["server_log"]).read_text()
