@@ -114,8 +114,10 @@ def child_build(module: str) -> dict:
     started = time.monotonic()
     if not (cuda_home / "lib64" / "stubs" / "libcuda.so").exists():  # dangles in the image at build time
         objects = _objects(spec.ninja_path.read_text())
-        subprocess.run(["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path), *map(str, objects)],
-                       check=True, capture_output=True, text=True)
+        compiled = subprocess.run(["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path),
+                                   *map(str, objects)], capture_output=True, text=True)
+        if compiled.returncode != 0:
+            raise PrecompileError(f"compiling {spec.name}'s objects failed:\n{(compiled.stdout + compiled.stderr)[-3000:]}")
         with tempfile.TemporaryDirectory() as stub_dir:
             os.environ["LIBRARY_PATH"] = str(_driver_stub(objects, Path(stub_dir)))
             spec.build()

@@ -42,3 +42,20 @@ def test_the_four_starts_run_in_order_and_an_after_start_without_its_build_is_re
     assert log[0].startswith("dsa-image: server process started at ")
     assert str(doc["flags"]["before"])[1:-1] in log[1] and "--max-num-seqs" not in log[1]
     assert "--max-num-seqs" in (out / "after" / doc["starts"]["after-restart"]["sides"]["overlay"]["server_log"]).read_text()
+
+
+def test_the_summary_reads_a_real_start(tmp_path):
+    """Run 5's cold start of the overlay, as a start of this phase records it."""
+    import json
+    from pathlib import Path
+
+    from dsa_image.validation import startup_phases
+
+    root = Path(__file__).resolve().parents[1] / "docs/validation/h200-2026-12-01-vllm0_33_0-run5/warmstart"
+    side = json.loads((root / "warmstart-cold-warmup.json").read_text())["steps"]["cold-warmup"]["sides"]["overlay"]
+    record = startup_phases.Record(side["healthy_after_s"], side["warmup"]["steps"])
+    start = {"sides": {"overlay": side}, "precompile_check": {"exit": 0},
+             "phases": startup_phases.phases((root / side["server_log"]).read_text(), record)}
+    line, = startup.summary({"starts": {"after-cold": start}})
+    assert "healthy  236.2 s  ready  243.9 s" in line and "FlashInfer built: ['sampling']" in line
+    assert "compiled after ready: -" in line and line.endswith("check: 0")

@@ -56,16 +56,9 @@ def image_flags(target: str, vllm: str | None) -> dict[str, list[str]]:
         if flag not in GIVEN_BY_HARNESS:
             after += [flag, value]
     added = [str(a) for a in recipe.serving.get("default_model_args", [])]
-    before = [a for i, a in enumerate(after) if not _within(i, after, added)]
-    return {"before": before, "after": after}
-
-
-def _within(index: int, argv: list[str], run: list[str]) -> bool:
-    """Whether argv[index] belongs to the first occurrence of `run` in argv."""
-    for start in range(len(argv) - len(run) + 1):
-        if argv[start:start + len(run)] == run:
-            return start <= index < start + len(run)
-    return False
+    if after[:len(added)] != added:  # default_model_argv puts them first, after the model's own
+        raise ValueError(f"the image's flags {after} do not start with the recipe's default_model_args {added}")
+    return {"before": after[len(added):], "after": after}
 
 
 def _tool_env(args, home: Path) -> dict[str, str]:
@@ -173,8 +166,10 @@ def summary(doc: dict) -> list[str]:
             lines.append(f"{name:<15} {start.get('error') or start.get('phases_error', 'no result')}")
             continue
         compiled = side["compiled"]
-        after_ready = {k: v for part in ("during_first_request", "during_warm_requests")
-                       for k, v in compiled[part]["triton_jit"].items()}
+        after_ready = [k for part in ("during_first_request", "during_warm_requests")
+                       for k in (*compiled[part]["triton_jit"], *compiled[part]["other_jit"],
+                                 *compiled[part]["flashinfer_jit_builds"],
+                                 *["DeepGEMM"] * compiled[part]["deepgemm_nvcc_runs"])]
         built = compiled["before_healthy"]["flashinfer_jit_builds"]
         lines.append(f"{name:<15} healthy {start['phases']['healthy_s']:6.1f} s  ready {start['phases']['ready_s']:6.1f} s  "
                      f"first/warm x{side['first_over_warm']}  FlashInfer built: {built or '-'}  "
@@ -197,7 +192,7 @@ def parse_args(argv):
     parser.add_argument("--budget-s", type=float, default=560,
                         help="every start ends within this many seconds of the first (a device call has 600)")
     args = parser.parse_args(argv)
-    args.work_dir = args.work_dir or str(Path(args.out) / "work")
+    args.work_dir = str(Path(args.work_dir or Path(args.out) / "work").resolve())
     args.timeout = args.health_timeout  # what warmstart.run_step reads
     return args
 
