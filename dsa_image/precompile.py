@@ -21,7 +21,7 @@ dangles. There, and only there, the build links against a stub with the driver's
 exporting the cu* symbols the objects use, found through LIBRARY_PATH so that no command line
 changes; the driver satisfies them at load time.
 
-    python -m dsa_image.precompile build --cuda-arch "12.0,12.1" --workspace-base /home/vllm \\
+    python -m dsa_image.precompile build --cuda-arch "12.0;12.1" --workspace-base /home/vllm \\
         --manifest /precompiled/manifest.json
     python -m dsa_image.precompile check --manifest M
     python -m dsa_image.precompile skip --manifest M --reason TEXT
@@ -272,7 +272,7 @@ def parse_args(argv):
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile the modules into WORKSPACE_BASE/.cache/flashinfer")
     b.add_argument("--cuda-arch", required=True,
-                   help="the target's capabilities, comma- or space-separated (its CUDA_ARCH_LIST: 12.0,12.1)")
+                   help="the target's capabilities, separated by ; , or spaces (its CUDA_ARCH_LIST: 12.0;12.1)")
     b.add_argument("--modules", default=",".join(MODULES), help=f"comma-separated, of {', '.join(MODULES)}")
     b.add_argument("--workspace-base", type=Path, required=True, help="FLASHINFER_WORKSPACE_BASE of the runtime")
     b.add_argument("--manifest", type=Path, required=True)
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
 
 
 def _what_to_build(args, parser) -> tuple[list[str], list[str]]:
-    caps = [c for c in re.split(r"[,\s]+", args.cuda_arch.strip()) if c]
+    caps = [c for c in re.split(r"[;,\s]+", args.cuda_arch.strip()) if c]
     modules = args.modules.split(",")
     unknown = [m for m in modules if m not in MODULES]
     if unknown:

@@ -106,3 +106,9 @@ def test_the_command_refuses_unknown_modules_and_capabilities(tmp_path, capsys):
         precompile.build(["9"], ["sampling"], tmp_path, tmp_path / "m.json")
     assert not (tmp_path / "m.json").exists()
 
+
+
+def test_the_capabilities_are_read_as_bake_passes_the_recipes_list(tmp_path):
+    parser, args = precompile.parse_args(["build", "--cuda-arch", "12.0;12.1", "--workspace-base", str(tmp_path),
+                                          "--manifest", str(tmp_path / "m.json")])
+    assert precompile._what_to_build(args, parser) == (["12.0", "12.1"], ["sampling"])

@@ -120,7 +120,6 @@ def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
            "--load-format", "dummy", "--seed", "0", "--max-model-len", str(max_model_len),
            *extra_args]
     log = open(os.path.join(out_dir, f"server-{name}.log"), "w")
-    # Process start, on the clock vLLM's log lines use (local time): startup_phases reads it.
     log.write(f"{STARTED}{datetime.datetime.now().isoformat(sep=' ', timespec='microseconds')}\n")
     log.flush()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -193,6 +193,7 @@ def parse_args(argv):
                         help="every start ends within this many seconds of the first (a device call has 600)")
     args = parser.parse_args(argv)
     args.work_dir = str(Path(args.work_dir or Path(args.out) / "work").resolve())
+    args.model_info_root = args.model_info_root or str(Path(args.work_dir) / "model-info")  # both variants
     args.timeout = args.health_timeout  # what warmstart.run_step reads
     return args
 
