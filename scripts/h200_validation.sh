@@ -44,7 +44,7 @@
 #            one 98 s: a cold and a warm step fit one call).
 #   startup  start-up before/after the image's precompiled FlashInfer modules and start-up
 #            defaults, the overlay alone, one server at a time: cold and restart each, per
-#            phase (dsa_image.validation.startup; ~8 min on the H200, one call).
+#            phase (dsa_image.validation.startup; ~9 min on the H200, one call, 560 s at most).
 #   bench    the paired benchmark (scripts/bench.py run; BENCH_ARGS, BENCH_LABEL; BENCH_A and
 #            BENCH_B for builds other than this base's stock and overlay, e.g. two bases).
 #   b12x     the overlay's b12x path with b12x's kernels emulated (emulation/, validation

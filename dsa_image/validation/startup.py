@@ -16,7 +16,7 @@ Each start records what dsa_image.validation.warmstart does (healthy, the warm-u
 first 3,000-token request against five warm ones, what compiled before healthy, during the
 warm-up and after it) and its per-phase table (startup_phases). The after-cold start must build
 no FlashInfer module, and the manifest's check must still pass after it (the start used the
-precompiled library as it was). About 8 minutes on the H200 (docs/validation/README.md).
+precompiled library as it was). About 9 minutes on the H200, bounded by --budget-s.
 
     python -m dsa_image.validation.startup --model DIR --site SITE --out DIR \\
         [--work-dir DIR] [--model-info-root DIR] [--cuda-arch 9.0] [--target sm90] [--vllm X.Y.Z]
