@@ -24,6 +24,7 @@
 #   test-libs   the test runner (recipes/locks/dev.txt) in its own directory
 #   upstream-bundle  vLLM's own tests that import an overlaid module, from the base's pinned sdist
 #   upstream-stock   those tests against the stock vLLM of `extras`, file by file
+#   precompile  FlashInfer's JIT modules for the target's GPUs, in the runtime's cache layout + manifest
 #   overlay     our files over vLLM (scripts/overlay.py apply, fail closed) + the receipt
 #   upstream-overlay the same tests against the overlaid vLLM, compared with stock's: the gate
 #   test        overlay verify + CPU tests against the installed vLLM
@@ -223,6 +224,32 @@ RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/ups
         --libs /opt/dsa-image/test-libs --timeout 600 || [[ $? -eq 3 ]]
 
 # ---------------------------------------------------------------------------------------------
+# FlashInfer's JIT modules the served path builds at its first start (a cold H200 start spent
+# 104 s on `sampling`: docs/validation/h200-2026-12-01-startup-phases), compiled here with the
+# image's nvcc for each capability of CUDA_ARCH_LIST, into the directory a server on that GPU
+# looks in (FLASHINFER_WORKSPACE_BASE=/home/vllm), with a manifest of what, for which arch and
+# sha256 (dsa_image/precompile.py). No GPU needed. From deps, not extras: a recipe edit leaves it
+# cached, and FlashInfer's files here are the runtime's (extras adds packages, replaces none;
+# the runtime stage's check proves it). Built under emulation (the arm64 image on an x86-64
+# host) it compiles nothing and says so: nvcc under QEMU is prohibitively slow
+# (docs/decisions.md); FlashInfer then builds at first start, as before.
+FROM deps AS precompile
+ARG BUILDPLATFORM
+ARG TARGETPLATFORM
+ARG CUDA_ARCH_LIST
+COPY dsa_image/__init__.py dsa_image/precompile.py dsa_image/arch_check.py dsa_image/dist_info.py \
+     dsa_image/atomic.py dsa_image/wheels.py /tmp/dsa-image/tool/dsa_image/
+RUN [[ -n "${CUDA_ARCH_LIST}" ]] || { echo "CUDA_ARCH_LIST empty: build with 'docker buildx bake'" >&2; exit 1; }; \
+    mkdir -p /home/vllm/.cache/flashinfer; cd /tmp; \
+    if [[ "${BUILDPLATFORM}" != "${TARGETPLATFORM}" ]]; then \
+        PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.precompile skip --manifest /precompiled/manifest.json \
+            --reason "built for ${TARGETPLATFORM} on ${BUILDPLATFORM} (emulated): FlashInfer builds its modules at first start"; \
+    else \
+        PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.precompile build --cuda-arch "${CUDA_ARCH_LIST}" \
+            --workspace-base /home/vllm --manifest /precompiled/manifest.json; \
+    fi
+
+# ---------------------------------------------------------------------------------------------
 FROM extras AS overlay
 ARG PYTHON_VERSION
 ARG TARGET
@@ -281,6 +308,8 @@ COPY pyproject.toml ${DSA_IMAGE_TOOL}/
 COPY tests/ ${DSA_IMAGE_TOOL}/tests/
 COPY --from=model-info /model-info/ /tmp/dsa-image/model-info/
 COPY --from=tiny-model /tiny-glm5 /tmp/dsa-image/tiny-glm5
+COPY --from=precompile /home/vllm/.cache/flashinfer/ /home/vllm/.cache/flashinfer/
+COPY --from=precompile /precompiled/manifest.json /opt/dsa-image/precompiled.json
 WORKDIR ${DSA_IMAGE_TOOL}
 # verify: re-hash every overlaid file against the receipt and import each overlaid module in
 # a fresh interpreter, from this vLLM. The model-info entries the runtime ships: fresh for the
@@ -303,7 +332,8 @@ RUN mkdir -p /opt/dsa-image/test-results; \
         tests/test_indexer_overlay*.py tests/test_indexer_reference.py tests/test_selftest.py tests/test_selftest_deepgemm.py \
         tests/test_validation.py tests/test_serving_recipes_vllm.py \
         tests/test_image_arch_check.py \
-        tests/test_image_pip_check.py tests/test_image_entrypoint.py tests/test_image_healthcheck.py
+        tests/test_image_pip_check.py tests/test_image_entrypoint.py tests/test_image_healthcheck.py \
+        tests/test_image_precompile.py
 
 # ---------------------------------------------------------------------------------------------
 # Only the in-image test results, for bake target `test` to export (build/test-results/), and
@@ -335,6 +365,11 @@ RUN [[ -n "${DEFAULT_MODEL}" && -n "${PORT}" ]] || { echo "DEFAULT_MODEL/PORT em
         /home/vllm/.cache/vllm
 COPY --from=tiny-model /tiny-glm5 ${DEFAULT_MODEL}
 COPY --from=model-info --chown=vllm:vllm /model-info/modelinfos/ /home/vllm/.cache/vllm/modelinfos/
+# FlashInfer's precompiled modules where a server on the target's GPUs finds them, and their
+# manifest (read-only, like the receipt); the check at the end of this stage proves they load
+# as built.
+COPY --from=precompile --chown=vllm:vllm /home/vllm/.cache/flashinfer/ /home/vllm/.cache/flashinfer/
+COPY --from=precompile /precompiled/manifest.json /opt/dsa-image/precompiled.json
 # Every run-time compile cache under /home/vllm/.cache, so one named volume there
 # (docker run -v dsa-image-cache:/home/vllm/.cache) keeps them all across restarts; a new named
 # volume starts as a copy of this directory, owned by vllm. Left to their defaults, Inductor
@@ -356,6 +391,10 @@ ENV HOME=/home/vllm \
     DSA_IMAGE_PORT=${PORT}
 USER vllm
 WORKDIR /home/vllm
+# With this stage's files and environment, as the user that serves: FlashInfer would load each
+# precompiled module as built (its build.ninja unchanged, ninja with no work, the manifest's
+# sha256, SASS for its GPU). A stale one fails the build here instead of recompiling at start.
+RUN PYTHONPATH=/opt/dsa-image/tool python -B -m dsa_image.precompile check --manifest /opt/dsa-image/precompiled.json
 EXPOSE ${PORT}
 # Healthy = vLLM's /health answers and the entrypoint's warm-up requests are done (its readiness
 # marker; DSA_IMAGE_WARMUP=0: /health alone): the tiny model's /health took ~3 minutes on an H200,

@@ -170,14 +170,20 @@ def plan_serve(args: list[str], recipe: Recipe, target: Target, environ: dict[st
         argv = ["vllm", "serve", *with_defaults(args, defaults)]
         return Plan(argv, env, f"dsa-image {target.id}: vllm serve with the recipe's defaults: {' '.join(argv)}",
                     gpu_for=SERVE_NEEDS_GPU)
-    model = str(recipe.serving["default_model"])
-    load_format = str(recipe.serving["default_load_format"])
-    argv = ["vllm", "serve", *with_defaults([model, "--load-format", load_format], defaults)]
+    argv = ["vllm", "serve", *with_defaults(default_model_argv(recipe), defaults)]
+    model, load_format = recipe.serving["default_model"], recipe.serving["default_load_format"]
     log = (f"dsa-image {target.id}: no arguments given, so serving the built-in tiny GLM-5 at {model} "
            f"with random weights (--load-format {load_format}; nothing is downloaded). To serve a real "
            f"model: docker run --gpus all -p 8000:8000 IMAGE <model> [vllm serve flags]. "
            f"Running: {' '.join(argv)}")
     return Plan(argv, env, log, gpu_for=SERVE_NEEDS_GPU)
+
+
+def default_model_argv(recipe: Recipe) -> list[str]:
+    """The built-in model with the recipe's start-up flags for it ([serving] default_model_args)."""
+    serving = recipe.serving
+    return [str(serving["default_model"]), "--load-format", str(serving["default_load_format"]),
+            *map(str, serving.get("default_model_args", []))]
 
 
 def check_receipt(site_packages: Path, receipt: Path = RECEIPT, recorded: Path = RECEIPT_SHA256) -> str:
@@ -385,7 +391,9 @@ def _defaults_text(environ: dict[str, str]) -> list[str]:
         return [f"  (cannot show them: {exc})"]
     serving = recipe.serving
     lines = [f"  recipe {recipe.id}, target {target.id}, vLLM {recipe.vllm_version}: {target.description}",
-             f"  with no MODEL: {serving['default_model']} --load-format {serving['default_load_format']}"]
+             f"  with no MODEL: {' '.join(default_model_argv(recipe))}",
+             "    (any arguments replace these; the same model with vLLM's own start-up defaults:",
+             f"    {serving['default_model']} --load-format {serving['default_load_format']})"]
     lines += [f"  {flag} {value}" for flag, value in serving_defaults(recipe, target)]
     lines.append("  environment, unless the container sets it: "
                  + (" ".join(f"{k}={v}" for k, v in sorted(target.env.items())) or "(none for this target)"))

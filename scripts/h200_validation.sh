@@ -51,6 +51,9 @@
 #            request with and without the warm-up (WARMSTART_STEPS, comma-separated: cold,
 #            warm-warmup, cold-warmup, warm; on 0.33.0 a cold step took a 242 s call and a warm
 #            one 98 s: a cold and a warm step fit one call).
+#   startup  start-up before/after the image's precompiled FlashInfer modules and start-up
+#            defaults, the overlay alone, one server at a time: cold and restart each, per
+#            phase (dsa_image.validation.startup; ~9 min on the H200, one call, 560 s at most).
 #   bench    the paired benchmark (scripts/bench.py run; BENCH_ARGS, BENCH_LABEL; BENCH_A and
 #            BENCH_B for builds other than this base's stock and overlay, e.g. two bases).
 #   b12x     the overlay's b12x path with b12x's kernels emulated (emulation/, validation
@@ -81,7 +84,7 @@
 #
 # Usage: [VLLM=X.Y.Z] bash scripts/h200_validation.sh PHASE (one of the above)
 set -uo pipefail
-phase=${1:?usage: [VLLM=X.Y.Z] h200_validation.sh paths|receive|inventory|prepare|sites|install|upstream|serve|hosttime|toolchain|smoke|mtp|longctx|deploy|warmstart|bench|b12x|selftest|b12xserve|cluster}
+phase=${1:?usage: [VLLM=X.Y.Z] h200_validation.sh paths|receive|inventory|prepare|sites|install|upstream|serve|hosttime|toolchain|smoke|mtp|longctx|deploy|warmstart|startup|bench|b12x|selftest|b12xserve|cluster}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 vllm=${VLLM:-$(python3 "$repo/scripts/recipe.py" get vllm.default)} || exit 2
 python3 "$repo/scripts/recipe.py" get --vllm "$vllm" vllm.version > /dev/null || {
@@ -378,6 +381,16 @@ warmstart() {
   cp "$results/warmstart/warmstart.json" "$out/warmstart-${steps//,/+}.json"
 }
 
+startup() {
+  log "start-up: before/after the precompiled modules and the start-up defaults, the overlay alone"
+  (cd /tmp && env -u VLLM_DISABLE_COMPILE_CACHE PYTHONPATH="$repo" python3 -m dsa_image.validation.startup \
+    --model "$model" --site "$site_overlay" --out "$results/startup" --work-dir "$root/startup-homes-$vllm" \
+    --model-info-root "$model_info" --vllm "$vllm") > "$results/startup.log" 2>&1
+  echo "startup exit: $?" | tee -a "$results/startup.log"
+  tail -8 "$results/startup.log"
+  cp "$results/startup/startup.json" "$results/startup/startup-phases.md" "$out/" 2>/dev/null
+}
+
 # BENCH_A and BENCH_B pick the builds, each SIDE-X.Y.Z: stock or overlay of a base that
 # `sites` (or `prepare`) installed on this machine (both bases side by side: BENCH_A=overlay-A.B.C
 # BENCH_B=overlay-X.Y.Z, after `sites` of each; the same build twice: the A/A control, B
@@ -528,6 +541,7 @@ case $phase in
   longctx) environment; modes longctx long-bf16,long-fp8; collect ;;
   deploy) environment; modes deploy fp8,long-fp8-mtp3; collect ;;
   warmstart) environment; warmstart; collect ;;
+  startup) environment; startup; collect ;;
   bench) bench_inputs; environment; bench; collect ;;
   b12x) environment; b12x; collect ;;
   selftest) environment; selftest; collect ;;

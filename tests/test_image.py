@@ -23,7 +23,7 @@ RECIPE = load_recipe()
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 # Stages before `overlay`: an overlay-only change must take every one of their steps from cache.
-HEAVY_STAGES = {"base", "pins", "deps", "extras", "tiny-model"}
+HEAVY_STAGES = {"base", "pins", "deps", "extras", "tiny-model", "precompile"}
 AFTER_OVERLAY = {"overlay", "test", "runtime"}
 
 

@@ -470,3 +470,20 @@ def test_help_shows_the_cluster_modes_and_the_variables_multi_node_serving_reads
     assert "\n  ray-head" in text and "\n  ray-worker HEAD_IP" in text
     for name in ("VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA", "RAY_PORT"):
         assert name in text
+
+
+# -- start-up defaults of the built-in model ------------------------------------------------------
+
+def test_the_built_in_model_gets_the_recipes_start_up_flags_and_any_arguments_replace_them():
+    added = [str(a) for a in RECIPE.serving["default_model_args"]]
+    assert "--kv-cache-memory-bytes" in added and "--max-num-seqs" in added
+    argv = _server(entrypoint.plan([], ENVIRON).argv)
+    assert argv[3:5] == ["--load-format", RECIPE.serving["default_load_format"]] and argv[5:5 + len(added)] == added
+    own = _server(entrypoint.plan([RECIPE.serving["default_model"], "--load-format", "dummy"], ENVIRON).argv)
+    assert not set(added[::2]) & set(own)
+
+
+def test_help_says_how_to_serve_the_built_in_model_without_the_start_up_flags():
+    text = entrypoint.usage(ENVIRON)
+    assert " ".join(entrypoint.default_model_argv(RECIPE)) in text
+    assert f"{RECIPE.serving['default_model']} --load-format {RECIPE.serving['default_load_format']})" in text

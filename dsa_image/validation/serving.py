@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import datetime
 import json
 import os
 import random
@@ -102,6 +103,11 @@ def model_info_root(args, work_dir) -> Path:
     return Path(args.model_info_root or Path(work_dir) / "model-info")
 
 
+# The first line of every server log: process start, on the clock of vLLM's own lines (local
+# time), to the microsecond (dsa_image.validation.startup_phases reads it).
+STARTED = "dsa-image: server process started at "
+
+
 def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
                  max_model_len=8192, python=None, env_extra=None):
     # A HOME (its compile caches laid out as the image's: dsa_image/compile_caches.py) each; the
@@ -114,6 +120,8 @@ def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
            "--load-format", "dummy", "--seed", "0", "--max-model-len", str(max_model_len),
            *extra_args]
     log = open(os.path.join(out_dir, f"server-{name}.log"), "w")
+    log.write(f"{STARTED}{datetime.datetime.now().isoformat(sep=' ', timespec='microseconds')}\n")
+    log.flush()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             cwd=home, start_new_session=True)
     return {"name": name, "port": port, "proc": proc, "log": log.name, "cmd": cmd,

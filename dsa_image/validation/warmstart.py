@@ -157,7 +157,16 @@ def measure_side(server: dict, step: str, run_warmup: bool, token_ids: list[int]
     return result
 
 
-def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Path) -> dict:
+def harness_server_args(args) -> list[str]:
+    """What every warm-start server is given beyond serving.start_server's flags."""
+    return ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes), "--gpu-memory-utilization",
+            str(args.gpu_memory_utilization), "--jit-monitor-verbose", *shlex.split(args.server_args)]
+
+
+def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Path,
+             server_args: list[str] | None = None, prepare_home=None) -> dict:
+    """One step, every side at once. `server_args` replaces harness_server_args(args);
+    `prepare_home(side, home)` runs on each side's emptied HOME before its server starts."""
     empty_first, run_warmup = STEPS[step]
     homes = {side: work_dir / f"home-{side}" for side in sides}
     if empty_first:
@@ -166,11 +175,12 @@ def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Pa
                                                Path(args.model), serving.model_info_root(args, work_dir))
             for side in sides:
                 model_info_cache.image_home(homes[side], entries[side])
+                if prepare_home is not None:
+                    prepare_home(side, homes[side])
         except model_info_cache.FILL_ERRORS as exc:
             return {"empty_caches_at_start": True, "warmup": run_warmup, "sides": {},
                     "error": f"the image's cold HOME: {type(exc).__name__}: {exc}"}
-    server_args = ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes), "--gpu-memory-utilization",
-                   str(args.gpu_memory_utilization), "--jit-monitor-verbose", *shlex.split(args.server_args)]
+    server_args = harness_server_args(args) if server_args is None else server_args
     servers = [serving.start_server(f"{step}-{side}", site, args.model, args.port_base + i, str(out_dir),
                                     server_args, home=str(homes[side]), env_extra={
                                         "DG_JIT_PRINT_COMPILER_COMMAND": "1", "PYTHONUNBUFFERED": "1"})
