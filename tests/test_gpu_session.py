@@ -121,13 +121,15 @@ def test_the_help_shows_the_table():
     assert "Exit codes: 0 every phase ran and passed" in session.__doc__
 
 
-def test_the_real_width_modes_exist_and_serve_past_32k_with_mtp():
+def test_the_real_width_modes_exist_and_serve_past_32k_with_mtp_one_a_call(tmp_path):
     from dsa_image.validation.serving_modes import MODES, FP8_KV
 
-    long_fp8_mtp3, long_mtp1 = MODES["long-fp8-mtp3"], MODES["long-mtp1"]
+    long_fp8_mtp3, long_mtp1 = (MODES[m] for m in session.REALWIDTH_MODES)
     assert (long_fp8_mtp3.spec_tokens, long_fp8_mtp3.kv_cache_dtype) == (3, FP8_KV)
     assert (long_mtp1.spec_tokens, long_mtp1.kv_cache_dtype) == (1, "auto")
     assert all(max(m.prompt_lengths) > 32_000 and m.model == "mtp" for m in (long_fp8_mtp3, long_mtp1))
+    done = run_script(*roots(tmp_path), "--realwidth-modes", "long-fp8-mtp3,long-mtp1", "realwidth-equiv")
+    assert done.returncode == 2 and "one mode a call" in done.stderr
 
 
 # -- receiving the parts ------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ SESSION_ENV = {"PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM
                "NVSHMEM_DISABLE_NVLS": "1", "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
                "VLLM_DISABLE_COMPILE_CACHE": "1"}
 Step = Callable[[Session], int]
+REALWIDTH_MODES = ("long-fp8-mtp3", "long-mtp1")  # serving_modes.MODES past 32k with MTP, one a call
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     knobs.add_argument("--cluster-layouts", help='waves of layouts, e.g. "mp-tp2+ray1-tp2" (the cluster phase)')
     knobs.add_argument("--cluster-args", default="", help="more options of `cluster run`, one string")
     knobs.add_argument("--cluster-deadline-s", type=float, default=540, help="bounds the cluster phase")
-    knobs.add_argument("--realwidth-modes", default="long-fp8-mtp3",
-                       help="realwidth-equiv's serving mode: long-fp8-mtp3 or long-mtp1 (two servers each)")
+    knobs.add_argument("--realwidth-modes", default=REALWIDTH_MODES[0],
+                       help=f"realwidth-equiv's serving mode, one of {', '.join(REALWIDTH_MODES)} (two servers each)")
     opts = parser.parse_args(argv)
     unknown = [p for p in opts.phases if p not in PHASES]
     if unknown:
@@ -209,6 +210,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error('cluster: expected --cluster-layouts, e.g. "mp-tp2+ray1-tp2" or '
                      '"ray2-tp2+ray2-tp2@shared ray2-pp2+mp-pp2"; python3 -m dsa_image.validation.cluster plan '
                      "--layouts ... prints what each starts")
+    if opts.realwidth_modes not in REALWIDTH_MODES:
+        parser.error(f"--realwidth-modes {opts.realwidth_modes}: expected one of {', '.join(REALWIDTH_MODES)} "
+                     "(one mode a call: two servers of GLM-5 at real width with its MTP layer, 43 GiB each, fill "
+                     "an H200)")
     if "realwidth-bench" in opts.phases and not opts.bench_args:
         opts.bench_args = "--workloads base"
     return opts
