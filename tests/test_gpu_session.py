@@ -268,7 +268,8 @@ def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     (work_root / "tiny-glm5" / "config.json").write_text("{}")
     (work_root / "tiny-glm5-mtp").mkdir(exist_ok=True)  # no model to write: not what is tested
     repo = tmp_path / "repo" if (tmp_path / "repo").is_dir() else device_copy(tmp_path)
-    return run_script("--vllm", "0.33.0", *roots(tmp_path), *args, "bench", script=repo / "scripts" / "gpu_validation.py")
+    script = repo / "scripts" / "gpu_validation.py"
+    return run_script("--vllm", "0.33.0", *roots(tmp_path), *args, "bench", script=script)
 
 
 @pytest.mark.parametrize("args, named", [
@@ -335,6 +336,22 @@ def test_the_real_width_bench_serves_glm5_at_real_width_with_its_memory_and_the_
     args = bench.parse_args(command[1:])
     assert (args.model, args.mtp_model) == (str(s.paths.realwidth),) * 2
     assert (args.kv_cache_memory_bytes, args.gpu_memory_utilization, args.workloads) == (8 << 30, 0.4, ["base"])
+
+
+def test_the_real_width_harnesses_take_the_arguments_the_runner_gives_them(tmp_path):
+    from dsa_image.validation import serving_modes, warmstart
+
+    s = _session(tmp_path, "realwidth-equiv")
+    model = s.paths.realwidth
+    args = serving_modes.parse_args([str(a) for a in phases.modes_args(
+        s, "realwidth-equiv-long-fp8-mtp3", s.opts.realwidth_modes, model, model, *phases.REALWIDTH_MODES_KV)])
+    assert (args.modes, args.model, args.mtp_model) == ("long-fp8-mtp3", str(model), str(model))
+    assert (args.kv_cache_memory_bytes, args.gpu_memory_utilization, args.vllm) == (4 << 30, 0.4, s.paths.vllm)
+    assert args.timeout <= s.opts.modes_timeout_s
+    args = warmstart.parse_args([str(a) for a in phases.warmstart_args(
+        s, "realwidth-warmstart", model, s.paths.realwidth_homes, "cold-warmup", *phases.REALWIDTH_WARMSTART)])
+    assert (args.steps, args.goal_factor, args.require_warm, args.kv_cache_memory_bytes) == (
+        "cold-warmup", 1.2, True, 8 << 30)
 
 
 # -- refusals before anything runs ------------------------------------------------------------------------

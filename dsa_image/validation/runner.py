@@ -129,10 +129,10 @@ class Session:
             limit: float | None = None, keep: float = MARGIN_S, stop_signal: int = signal.SIGINT,
             grace: float = INTERRUPT_GRACE_S) -> int:
         """Run `cmd`, in /tmp as the harnesses expect, its output to `log_path` (printed after
-        with `echo`) or printed; cut off at `limit` seconds or `keep` seconds before the deadline:
-        `stop_signal` to its
-        process group (SIGINT: a Python harness stops its servers in its finally blocks), then
-        SIGKILL after `grace` seconds. Returns its exit status, 124 when cut off (as timeout(1))."""
+        with `echo`) or printed. Cut off at `limit` seconds or `keep` seconds before the deadline:
+        `stop_signal` to its process group (SIGINT: a Python harness stops its servers in its
+        finally blocks), SIGKILL after `grace` seconds. Returns its exit status, 124 when cut off
+        (as timeout(1) does)."""
         environ = {k: v for k, v in os.environ.items() if k not in unset}
         environ.update(env or {})
         if pythonpath is not None:
@@ -160,12 +160,14 @@ class Session:
 
     @staticmethod
     def _stop(proc: subprocess.Popen, stop_signal: int, grace: float) -> None:
+        """`stop_signal`, then SIGKILL to what is left of the group the command leads."""
         for sig, wait in ((stop_signal, grace), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(proc.pid, sig)
                 proc.wait(wait)
+            except ProcessLookupError:
                 return
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 continue
 
     def python(self, *args, **kw) -> int:

@@ -280,7 +280,8 @@ def report(opts: argparse.Namespace, paths: Paths, record: list[dict], seconds: 
     print(f"session of vLLM {paths.vllm}, {seconds:.0f} s of a {opts.deadline_s:.0f} s deadline:")
     for r in record:
         took = f" in {r['seconds']} s" if "seconds" in r else ""
-        print(f"  {r['phase']:<20} {r['status']}{took}" + ("" if r["detail"] in ("passed", "failed") else f": {r['detail']}"))
+        detail = "" if r["detail"] in ("passed", "failed") else f": {r['detail']}"
+        print(f"  {r['phase']:<20} {r['status']}{took}{detail}")
     line = {"at": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%dT%H:%M:%SZ}", "vllm": paths.vllm,
             "deadline_s": opts.deadline_s, "seconds": round(seconds, 1), "phases": record}
     with (paths.out / "session.jsonl").open("a") as f:
