@@ -586,7 +586,7 @@ def realwidth_prepare(s: Session) -> int:
 
 def realwidth_equiv(s: Session) -> int:
     model, chosen = realwidth(s), s.opts.realwidth_modes
-    name = f"realwidth-equiv-{chosen.replace(',', '+')}"
+    name = f"realwidth-equiv-{chosen}"
     status = modes(s, name, chosen, model, model, *REALWIDTH_MODES_KV, env=REALWIDTH_ENV)
     return memory_check(s, s.paths.results / name, name) or status
 
