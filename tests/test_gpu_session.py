@@ -354,6 +354,47 @@ def test_the_real_width_harnesses_take_the_arguments_the_runner_gives_them(tmp_p
         "cold-warmup", 1.2, True, 8 << 30)
 
 
+# -- upstream's tests: what is left goes to the next call ------------------------------------------------
+
+
+def fake_sites(root: Path, base: str = "0.33.0") -> None:
+    for site in (f"site-stock-{base}", f"site-overlay-{base}"):
+        (root / site / "vllm").mkdir(parents=True, exist_ok=True)
+        (root / site / "vllm" / "__init__.py").write_text("")
+    (root / f"site-overlay-{base}" / "vllm_overlay_receipt.json").write_text("{}")
+
+
+# Stands in for scripts/upstream_tests.py in the device's copy: says what it was given, and that
+# files are left (its exit 3).
+FAKE_GATE = """import json, sys
+from pathlib import Path
+args = sys.argv[1:]
+out = Path(args[args.index("--out") + 1])
+(out / "args.json").write_text(json.dumps(args))
+print("2 of 21 files ran on both sides; 19 left")
+print("resume in the next call", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+def test_the_upstream_phase_leaves_what_is_left_to_the_next_call_and_says_so(tmp_path):
+    repo = device_copy(tmp_path)
+    (repo / "scripts" / "upstream_tests.py").write_text(FAKE_GATE)
+    fake_sites(tmp_path / "root")
+    script = repo / "scripts" / "gpu_validation.py"
+    done = run_script("--vllm", "0.33.0", *roots(tmp_path), "upstream", script=script)
+    assert done.returncode == 3 and "upstream: expected the bundle" in done.stderr  # not made, not carried
+    (repo / "build" / "upstream-tests-0.33.0").mkdir(parents=True)
+    done = run_script("--vllm", "0.33.0", *roots(tmp_path), "--deadline-s", "300", "upstream", script=script)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "upstream exit: 3" in done.stdout and "19 left" in done.stdout and "upstream             incomplete" in done.stdout
+    args = json.loads((tmp_path / "results" / "upstream-tests" / "args.json").read_text())
+    deadline, timeout = (float(args[args.index(k) + 1]) for k in ("--deadline-s", "--timeout"))
+    assert deadline + timeout <= 300 - runner.MARGIN_S and deadline / timeout == pytest.approx(120 / 420, rel=0.05)
+    assert (tmp_path / "out" / "compare.txt").read_text().startswith("2 of 21 files")
+    assert "resume in the next call" in (tmp_path / "results" / "upstream-tests.log").read_text()
+
+
 # -- refusals before anything runs ------------------------------------------------------------------------
 
 

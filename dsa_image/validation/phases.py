@@ -21,7 +21,7 @@ from typing import Callable
 
 from dsa_image import realwidth_model, tiny_model
 from dsa_image.recipe import load_recipe
-from dsa_image.validation.runner import FAILED, OK, Paths, Refused, Session, copy_out, log, matching, tail
+from dsa_image.validation.runner import FAILED, INCOMPLETE, OK, Paths, Refused, Session, copy_out, log, matching, tail
 
 # GLM-5 at real width (about 24 GiB of bf16 weights, 43 GiB with the MTP layer): two servers side
 # by side on one H200, each with a fixed KV cache; the utilisation only passes vLLM's start-up
@@ -72,6 +72,18 @@ def need_model(s: Session) -> None:
 def need_wheels(s: Session) -> None:
     if not (s.paths.wheels / ".complete").is_file():
         raise Refused(f"expected the unpacked wheels in {s.paths.wheels}; run the install phase first")
+
+
+def upstream_bundle(s: Session) -> Path:
+    return s.opts.upstream_bundle or s.paths.repo / "build" / f"upstream-tests-{s.paths.vllm}"
+
+
+def need_upstream_bundle(s: Session) -> None:
+    bundle = upstream_bundle(s)
+    if not bundle.is_dir():
+        raise Refused(f"upstream: expected the bundle {bundle}: make it here with `python3 scripts/upstream_tests.py "
+                      f"bundle --vllm {s.paths.vllm} --python-version 3.12 --out build/upstream-tests-{s.paths.vllm}` "
+                      "and carry it with the call (docs/upstream-tests.md)")
 
 
 def need_bench_builds(s: Session) -> None:
@@ -284,6 +296,37 @@ def serve(s: Session) -> int:
     return harness(s, "serving", "dsa_image.validation.serving", "--model", p.model, "--stock-site", p.site_stock,
                    "--overlay-site", p.site_overlay, "--out", p.results / "serving",
                    "--timeout", f"{s.seconds(480):.0f}", lines=40)
+
+
+def upstream(s: Session) -> int:
+    """vLLM's own tests that import an overlaid module (scripts/upstream_tests.py gate), stock and
+    overlay at once on the one GPU, file by file; the results in RESULTS/upstream-tests resume in
+    the next call, whose gate runs what is left (its exit 3 here: INCOMPLETE), then compares."""
+    p, o = s.paths, s.opts
+    bundle, out = upstream_bundle(s), p.results / "upstream-tests"
+    log(f"upstream's tests: stock vs overlay, file by file, two at once ({bundle})")
+    out.mkdir(parents=True, exist_ok=True)
+    # A file started at the gate's deadline may run its timeout: with less left than the two
+    # together, both shrink alike, so that the last file still ends before the session's deadline.
+    share = min(1.0, s.seconds(o.upstream_deadline_s + o.upstream_timeout_s) / (o.upstream_deadline_s
+                                                                               + o.upstream_timeout_s))
+    deadline, timeout = max(1.0, o.upstream_deadline_s * share), max(1.0, o.upstream_timeout_s * share)
+    log_path = p.results / "upstream-tests.log"
+    status = s.python(p.repo / "scripts" / "upstream_tests.py", "gate", "--bundle", bundle, "--out", out, "--python",
+                      sys.executable, "--stock-site", p.site_stock, "--overlay-site", p.site_overlay, "--jobs", "2",
+                      "--timeout", f"{timeout:.0f}", "--deadline-s", f"{deadline:.0f}", "--json", out / "compare.json",
+                      log_path=out / "compare.txt", errors=log_path)
+    with log_path.open("a") as f:
+        f.write(f"upstream exit: {status}\n")
+    print(f"upstream exit: {status}")
+    tail(log_path, 8)
+    tail(out / "compare.txt", 100_000)
+    for name in ("compare.txt", "compare.json"):
+        copy_out(out / name, p.out / name)
+    with tarfile.open(p.out / "upstream-tests.tgz", "w:gz") as tar:
+        tar.add(out, arcname="upstream-tests")
+        tar.add(log_path, arcname=log_path.name)
+    return INCOMPLETE if status == 3 else status
 
 
 def hosttime(s: Session) -> int:

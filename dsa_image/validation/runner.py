@@ -25,6 +25,7 @@ from dsa_image.site_path import pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 OK, FAILED = 0, 1
+INCOMPLETE = 4  # a step that ran what it could and leaves the rest to a later call
 MARGIN_S = 20.0  # what a phase keeps after its harness: collecting the results
 INTERRUPT_GRACE_S = 60.0  # an interrupted harness's time to stop its servers (30 s each, at most)
 
@@ -126,10 +127,11 @@ class Session:
 
     def run(self, cmd: list, log_path: Path | None = None, *, pythonpath: str | None = None, env: dict | None = None,
             unset: tuple[str, ...] = (), append: bool = False, echo: bool = False, cwd: str = "/tmp",
+            errors: Path | None = None,
             limit: float | None = None, keep: float = MARGIN_S, stop_signal: int = signal.SIGINT,
             grace: float = INTERRUPT_GRACE_S) -> int:
         """Run `cmd`, in /tmp as the harnesses expect, its output to `log_path` (printed after
-        with `echo`) or printed. Cut off at `limit` seconds or `keep` seconds before the deadline:
+        with `echo`) or printed; its stderr with it, or to `errors`. Cut off at `limit` seconds or `keep` seconds before the deadline:
         `stop_signal` to its process group (SIGINT: a Python harness stops its servers in its
         finally blocks), SIGKILL after `grace` seconds. Returns its exit status, 124 when cut off
         (as timeout(1) does)."""
@@ -139,10 +141,11 @@ class Session:
             environ["PYTHONPATH"] = pythonpath
         timeout = self.seconds(limit if limit is not None else self.left(), keep)
         sink = open(log_path, "a" if append else "w") if log_path else subprocess.PIPE
+        error_sink = open(errors, "w") if errors else subprocess.STDOUT
         printed = None
         try:
             proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=environ, stdout=sink,
-                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                    stderr=error_sink, text=True, start_new_session=True)
             try:
                 printed = proc.communicate(timeout=timeout)[0]
             except subprocess.TimeoutExpired:
@@ -150,8 +153,9 @@ class Session:
                 self._stop(proc, stop_signal, grace)
                 return 124
         finally:
-            if log_path:
-                sink.close()
+            for opened in (sink, error_sink):
+                if hasattr(opened, "close"):
+                    opened.close()
         if echo and log_path:
             tail(log_path, 100_000)
         elif printed:

@@ -32,7 +32,8 @@ these options.
 
 Exit codes: 0 every phase ran and passed; 1 a phase failed; 2 usage (an unknown base or phase,
 an option a phase needs); 3 a phase was refused, its inputs missing; 4 a phase was not reached
-before the deadline. Of several, the first of 1, 3, 4.
+before the deadline, or did not finish (upstream: test files left for the next call). Of
+several, the first of 1, 3, 4.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import Callable
 
 from dsa_image.recipe import RecipeError, load_recipe
 from dsa_image.validation import phases as ph
-from dsa_image.validation.runner import FAILED, OK, Paths, Refused, Session, log
+from dsa_image.validation.runner import FAILED, INCOMPLETE, OK, Paths, Refused, Session, log
 
 USAGE, REFUSED, NOT_REACHED = 2, 3, 4
 DEFAULT_DEADLINE_S = 540.0
@@ -62,6 +63,7 @@ SESSION_ENV = {"PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM
                "NVSHMEM_DISABLE_NVLS": "1", "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
                "VLLM_DISABLE_COMPILE_CACHE": "1"}
 Step = Callable[[Session], int]
+STATUS = {OK: "passed", FAILED: "failed", REFUSED: "refused", INCOMPLETE: "incomplete"}
 REALWIDTH_MODES = ("long-fp8-mtp3", "long-mtp1")  # serving_modes.MODES past 32k with MTP, one a call
 
 
@@ -113,6 +115,11 @@ PHASES = {p.name: p for p in (
     Phase("sites", (ph.need_staged,), _env((ph.install,)), (), _s(160),
           "install alone: the two sites, verified, and the tiny GLM-5, no model info (a bench makes its own)",
           setup=True),
+    Phase("upstream", (ph.need_sites, ph.need_upstream_bundle), _env((ph.upstream,)),
+          ("upstream_bundle", "upstream_timeout_s", "upstream_deadline_s"), _s(180),
+          "vLLM's own tests that import an overlaid module (scripts/upstream_tests.py gate, docs/upstream-tests.md), "
+          "each selected file on stock and on the overlay, two at once, compared test by test; a later call "
+          "resumes what is left (not finished: exit 4)", collects=False),
     Phase("hosttime", (ph.need_model,), (ph.hosttime,), (), _s(60),
           "build() host time, stock and overlay interleaved in one process", collects=False),
     Phase("toolchain", (ph.need_model, ph.need_wheels), _env((ph.toolchain,)), (), _s(420),
@@ -200,6 +207,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     knobs.add_argument("--cluster-layouts", help='waves of layouts, e.g. "mp-tp2+ray1-tp2" (the cluster phase)')
     knobs.add_argument("--cluster-args", default="", help="more options of `cluster run`, one string")
     knobs.add_argument("--cluster-deadline-s", type=float, default=540, help="bounds the cluster phase")
+    knobs.add_argument("--upstream-bundle", type=Path, help="what `upstream_tests.py bundle` made here and the call "
+                       "carried (default: the repository's build/upstream-tests-X.Y.Z)")
+    knobs.add_argument("--upstream-timeout-s", type=float, default=420, help="seconds per test file and side")
+    knobs.add_argument("--upstream-deadline-s", type=float, default=120, help="no test file starts after this")
     knobs.add_argument("--realwidth-modes", default=REALWIDTH_MODES[0],
                        help=f"realwidth-equiv's serving mode, one of {', '.join(REALWIDTH_MODES)} (two servers each)")
     opts = parser.parse_args(argv)
@@ -239,7 +250,10 @@ def run_phase(s: Session, phase: Phase) -> tuple[int, str]:
     status = OK
     try:
         for step in phase.steps:
-            if step(s):
+            done = step(s)
+            if done == INCOMPLETE and status == OK:
+                status = INCOMPLETE
+            elif done and done != INCOMPLETE:
                 status = FAILED
                 if step is ph.install:  # nothing after it has a site to run on
                     break
@@ -248,7 +262,7 @@ def run_phase(s: Session, phase: Phase) -> tuple[int, str]:
     finally:
         if phase.collects:
             ph.collect(s, phase.name)
-    return status, "passed" if status == OK else "failed"
+    return status, STATUS[status]
 
 
 def run(opts: argparse.Namespace, paths: Paths) -> int:
@@ -267,7 +281,7 @@ def run(opts: argparse.Namespace, paths: Paths) -> int:
         log(f"== {name}: {phase.does}")
         t0 = time.monotonic()
         status, detail = run_phase(s, phase)
-        record.append({"phase": name, "status": {OK: "passed", FAILED: "failed", REFUSED: "refused"}[status],
+        record.append({"phase": name, "status": STATUS[status],
                        "seconds": round(time.monotonic() - t0, 1), "detail": detail})
         if status == REFUSED:
             print(f"{name}: refused: {detail}", file=sys.stderr)
@@ -280,14 +294,15 @@ def report(opts: argparse.Namespace, paths: Paths, record: list[dict], seconds: 
     print(f"session of vLLM {paths.vllm}, {seconds:.0f} s of a {opts.deadline_s:.0f} s deadline:")
     for r in record:
         took = f" in {r['seconds']} s" if "seconds" in r else ""
-        detail = "" if r["detail"] in ("passed", "failed") else f": {r['detail']}"
+        detail = "" if r["detail"] == r["status"] else f": {r['detail']}"
         print(f"  {r['phase']:<20} {r['status']}{took}{detail}")
     line = {"at": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%dT%H:%M:%SZ}", "vllm": paths.vllm,
             "deadline_s": opts.deadline_s, "seconds": round(seconds, 1), "phases": record}
     with (paths.out / "session.jsonl").open("a") as f:
         f.write(json.dumps(line) + "\n")
     statuses = {r["status"] for r in record}
-    for status, code in (("failed", FAILED), ("refused", REFUSED), ("not reached", NOT_REACHED)):
+    for status, code in (("failed", FAILED), ("refused", REFUSED), ("not reached", NOT_REACHED),
+                         ("incomplete", NOT_REACHED)):
         if status in statuses:
             return code
     return OK
