@@ -195,7 +195,7 @@ RUN --mount=type=bind,source=recipes/locks/dev.txt,target=/tmp/dsa-image/dev.loc
 FROM base AS upstream-bundle
 ARG RECIPE
 ARG VLLM_VERSION
-COPY dsa_image/__init__.py dsa_image/atomic.py dsa_image/dist_info.py dsa_image/lock.py dsa_image/manifest.py \
+COPY dsa_image/__init__.py dsa_image/atomic.py dsa_image/dist_info.py dsa_image/lock.py dsa_image/manifest.py dsa_image/overlay_fs.py \
      dsa_image/overlay_core.py dsa_image/recipe.py dsa_image/registry.py dsa_image/site_path.py \
      dsa_image/upstream_tests.py dsa_image/wheels.py /opt/dsa-image/upstream-tool/dsa_image/
 COPY scripts/upstream_tests.py /opt/dsa-image/upstream-tool/scripts/

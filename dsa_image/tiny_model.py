@@ -10,7 +10,9 @@ a pure function of the data below, so two runs write the same bytes.
 The tokenizer is byte-level BPE written as a `tokenizers` JSON by hand: 8 GLM-style special
 tokens, the 256 byte tokens, then merges learned from `_CORPUS` until the vocabulary holds
 exactly `vocab_size` tokens. Its size must equal `vocab_size`: vLLM detokenizes ids the
-tokenizer does not know as empty text.
+tokenizer does not know as empty text. A vocabulary larger than the corpus's merges (GLM-5's
+154,880: dsa_image/realwidth_model.py) is filled after them with plain tokens `fill_token(i)`,
+each its own text, which no merge makes (a prompt of token ids reaches them; encoded text never).
 """
 
 from __future__ import annotations
@@ -219,8 +221,15 @@ def _merge_pair(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, .
     return tuple(out)
 
 
-def build_vocab(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Specials, then the 256 byte tokens, then merged tokens: exactly `vocab_size` entries."""
+def fill_token(index: int, alphabet: dict[int, str] | None = None) -> str:
+    """The `index`-th filler token: the text " tok<index>" in the byte-level alphabet."""
+    alphabet = alphabet or bytes_to_unicode()
+    return "".join(alphabet[b] for b in f" tok{index}".encode())
+
+
+def build_vocab(vocab_size: int, fill: bool = False) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Specials, then the 256 byte tokens, then merged tokens, then (with `fill`, once the
+    corpus has no merge left) filler tokens: exactly `vocab_size` entries."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in bytes_to_unicode().values():
         vocab[char] = len(vocab)
@@ -232,13 +241,17 @@ def build_vocab(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]
             break
         merges.append((left, right))
         vocab.setdefault(left + right, len(vocab))
+    index, alphabet = 0, bytes_to_unicode()
+    while fill and len(vocab) < vocab_size:
+        vocab.setdefault(fill_token(index, alphabet), len(vocab))  # a merge may have made the text already
+        index += 1
     if len(vocab) != vocab_size:
         raise TinyModelError(f"vocabulary reached {len(vocab)} tokens, {vocab_size} needed: lengthen _CORPUS")
     return vocab, merges
 
 
-def tokenizer_json(vocab_size: int) -> dict:
-    vocab, merges = build_vocab(vocab_size)
+def tokenizer_json(vocab_size: int, fill: bool = False) -> dict:
+    vocab, merges = build_vocab(vocab_size, fill)
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     return {
         "version": "1.0",
@@ -301,13 +314,13 @@ def generation_config(config: dict) -> dict:
     }
 
 
-def model_files(config: dict = CONFIG) -> dict[str, bytes]:
-    """File name -> exact bytes of the model directory."""
+def model_files(config: dict = CONFIG, fill_vocab: bool = False) -> dict[str, bytes]:
+    """File name -> exact bytes of the model directory (`fill_vocab`: see build_vocab)."""
     validate_config(config)
     documents = {
         "config.json": config,
         "generation_config.json": generation_config(config),
-        "tokenizer.json": tokenizer_json(config["vocab_size"]),
+        "tokenizer.json": tokenizer_json(config["vocab_size"], fill_vocab),
         "tokenizer_config.json": tokenizer_config(config),
         "special_tokens_map.json": special_tokens_map(config),
     }
@@ -320,10 +333,14 @@ def write_model(out_dir: Path, config: dict = CONFIG) -> list[Path]:
 
     `out_dir` must not exist or be empty: an existing model is never overwritten silently.
     """
+    return write_files(out_dir, model_files(config))
+
+
+def write_files(out_dir: Path, files: dict[str, bytes]) -> list[Path]:
+    """write_model's writer, for any model directory's files (name -> bytes)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise TinyModelError(f"{out_dir} exists and is not an empty directory: remove it or choose another")
-    files = model_files(config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
@@ -341,10 +358,14 @@ def write_model(out_dir: Path, config: dict = CONFIG) -> list[Path]:
 
 def model_dir_differences(model_dir: Path, config: dict = CONFIG) -> list[str]:
     """How `model_dir` differs from what `write_model(model_dir, config)` writes (empty: identical)."""
+    return files_differences(model_dir, model_files(config))
+
+
+def files_differences(model_dir: Path, expected: dict[str, bytes]) -> list[str]:
+    """How `model_dir` differs from the files `expected` (name -> bytes; empty: identical)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         return [f"{model_dir}: no such directory"]
-    expected = model_files(config)
     found = {p.name for p in model_dir.iterdir()}
     differences = [f"{name}: missing" for name in sorted(expected.keys() - found)]
     differences += [f"{name}: not written by the generator" for name in sorted(found - expected.keys())]

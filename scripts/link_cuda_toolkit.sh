@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make pip's CUDA toolkit tree (site-packages/nvidia/cu13) usable as CUDA_HOME: the three
 # links FlashInfer's and DeepGEMM's JIT expect of a classic toolkit. Used by the image's
-# deps stage and by the H200 toolchain check (scripts/h200_validation.sh toolchain).
+# deps stage and by the GPU session's toolchain phase (scripts/gpu_validation.py toolchain).
 #   link_cuda_toolkit.sh CUDA_HOME LIBCUDA_SO1
 # LIBCUDA_SO1 is the driver's libcuda.so.1; in the image it dangles until the NVIDIA
 # container runtime mounts the driver at run time.

@@ -2,7 +2,7 @@
 b12x_release), without a GPU: which base and b12x release a run is for, the glue's cases on each
 base, and the overlay calls the glue makes, checked against each overlay's source.
 
-The cases themselves run on an H200 (scripts/h200_validation.sh b12x); these need numpy only."""
+The cases themselves run on an H200 (scripts/gpu_validation.py b12x); these need numpy only."""
 
 from __future__ import annotations
 

@@ -1,27 +1,23 @@
-"""What the H200 validation stages per base (dsa_image/validation/stage.py), the check of which
-torch and CUDA libraries a site loads (dsa_image/validation/torch_libs.py), and the per-base
-paths of scripts/h200_validation.sh. No network, no GPU."""
+"""What the H200 validation stages per base (dsa_image/validation/stage.py) and the check of which
+torch and CUDA libraries a site loads (dsa_image/validation/torch_libs.py); the session runner that
+receives and installs the staged wheels: tests/test_gpu_session.py. No network, no GPU."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
-import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from dsa_image import bench, lock
+from dsa_image import lock
 from dsa_image.lock import Pin
 from dsa_image.recipe import load_recipe
 from dsa_image.validation import stage, torch_libs
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "scripts" / "h200_validation.sh"
 OLD = load_recipe(vllm="0.24.0")
 NEW = load_recipe(vllm="0.33.0")
 
@@ -263,7 +259,7 @@ def test_check_freeze_on_the_command_line_exits_1_and_says_how_to_restage(tmp_pa
 
 def test_a_missing_record_is_refused_with_how_to_make_one(tmp_path, capsys):
     assert stage.main(["--vllm", "0.33.0", "--plan", "--h200-freeze", str(tmp_path / "none.txt")]) == 2
-    assert "the inventory phase (`bash scripts/h200_validation.sh inventory`) writes it" in capsys.readouterr().err
+    assert "the inventory phase (`python3 scripts/gpu_validation.py inventory`) writes it" in capsys.readouterr().err
 
 
 # --- which torch and CUDA libraries a site loads ------------------------------------------
@@ -336,109 +332,7 @@ def test_cublas_and_cudnn_must_have_been_loaded(tmp_path):
     assert problems == [f"libcudnn: not mapped after a matmul and a convolution on the GPU; expected it from {site}"]
 
 
-# --- scripts/h200_validation.sh: one set of paths per base ---------------------------------
-
-
-def run_script(phase: str, script: Path = SCRIPT, **env: str) -> subprocess.CompletedProcess:
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return subprocess.run(["bash", str(script), phase], env={**os.environ, "PATH": path, **env},
-                          capture_output=True, text=True, timeout=60, check=False)
-
-
-def script_paths(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    return run_script("paths", **env)
-
-
-@pytest.mark.parametrize("base", [None, "0.24.0", "0.33.0"])
-def test_every_path_of_the_script_is_the_bases_own(tmp_path, base):
-    done = script_paths(tmp_path, **({"VLLM": base} if base else {}))
-    assert done.returncode == 0, done.stderr
-    paths = dict(line.split("=", 1) for line in done.stdout.splitlines())
-    version = base or load_recipe().vllm_version
-    assert paths == {"vllm": version, "stage": f"/tmp/stage-{version}", "wheels": f"/tmp/wheels-{version}",
-                     "site_stock": f"/tmp/site-stock-{version}", "site_overlay": f"/tmp/site-overlay-{version}",
-                     "model": "/tmp/tiny-glm5", "manifest": f"{REPO}/overlay/vllm-{version}/manifest.json",
-                     "results": f"/tmp/results-{version}"}
-
-
-def test_the_script_refuses_a_base_the_recipe_does_not_pin(tmp_path):
-    done = script_paths(tmp_path, VLLM="0.9.9")
-    assert done.returncode == 2 and "VLLM=0.9.9: expected one of the recipe's bases: 0.24.0 0.33.0" in done.stderr
-
-
-def test_the_script_names_no_base_and_no_shared_path_outside_its_comments():
-    code = [line for line in SCRIPT.read_text().splitlines() if not line.lstrip().startswith("#")]
-    assert not [line for line in code if re.search(r"\b0\.\d+\.\d+\b", line)]
-    assert not [line for line in code if re.search(r"/tmp/(site-|stage\b|wheels\b|results\b|tiny-glm5)", line)
-                and "$vllm" not in line]
-
-
-def device_copy(tmp_path: Path) -> Path:
-    """What the script needs of the repository, as the device's copy has it."""
-    repo = tmp_path / "repo"
-    shutil.copytree(REPO / "dsa_image", repo / "dsa_image", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "recipes", repo / "recipes")
-    (repo / "scripts").mkdir()
-    for name in ("h200_validation.sh", "recipe.py"):
-        shutil.copy2(REPO / "scripts" / name, repo / "scripts" / name)
-    return repo
-
-
-class Transfer:
-    """A staged bundle of two wheels here, and the device's copy of the repository the parts
-    are carried into; `carry` copies parts into it and runs `receive`."""
-
-    def __init__(self, tmp_path: Path):
-        self.here, self.work = tmp_path / "here", tmp_path / "work"
-        repo = device_copy(tmp_path)
-        self.carried = repo / ".stage" / "vllm-0.33.0"
-        self.script = repo / "scripts" / "h200_validation.sh"
-        files = {n: wheel(tmp_path, n, "1.0", os.urandom(5000)) for n in ("foo", "bar")}
-        self.staged = [stage.Staged(n, "1.0", frozenset(), "") for n in sorted(files)]
-        self.files = files
-        self.parts = self.restage()
-        self.env = {"VLLM": "0.33.0", "WORK_ROOT": str(self.work), "OUT": str(tmp_path / "out")}
-
-    def restage(self):
-        shutil.rmtree(self.here, ignore_errors=True)
-        return stage.write_stage(self.staged, self.files, self.here, part_bytes=4096)
-
-    def receive(self) -> subprocess.CompletedProcess:
-        return run_script("receive", self.script, **self.env)
-
-    def carry(self, *names: str) -> subprocess.CompletedProcess:
-        self.carried.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            shutil.copy2(self.here / name, self.carried / name)
-        return self.receive()
-
-
-def test_receive_moves_each_carried_part_checks_it_and_counts(tmp_path):
-    t = Transfer(tmp_path)
-    total = len(t.parts.paths)
-    done = t.receive()
-    assert done.returncode == 1 and "expected" in done.stderr and "SHA256SUMS" in done.stderr
-    done = t.carry(t.parts.paths[0].name, "SHA256SUMS", "selection.txt")
-    assert done.returncode == 0, done.stderr
-    assert f"received: 1 of {total} parts" in done.stdout and not list(t.carried.iterdir())
-    t.parts.paths[1].write_bytes(b"damaged in transfer")
-    done = t.carry(t.parts.paths[1].name)
-    assert done.returncode == 1 and "a part differs from SHA256SUMS" in done.stderr
-    t.restage()
-    done = t.carry(*(p.name for p in t.parts.paths[1:]))
-    assert done.returncode == 0 and f"received: {total} of {total} parts" in done.stdout
-
-
-def test_receive_hashes_only_what_this_call_carried(tmp_path):
-    """Each call hashes its own part: hashing every part so far made 71 calls quadratic (3 s a
-    call by part 45 on the H200). A part damaged after its arrival is left to the install
-    phase's check of the whole bundle."""
-    t = Transfer(tmp_path)
-    assert t.carry(t.parts.paths[0].name, "SHA256SUMS", "selection.txt").returncode == 0
-    (t.work / "stage-0.33.0" / t.parts.paths[0].name).write_bytes(b"damaged after arrival")
-    done = t.carry(t.parts.paths[1].name)
-    assert done.returncode == 0, done.stderr
-    assert f"received: 2 of {len(t.parts.paths)} parts" in done.stdout
+# --- the part size a device call leaves room for -------------------------------------------
 
 
 def test_part_size_is_what_the_carry_leaves_beside_the_repository():
@@ -468,57 +362,3 @@ def test_repository_bytes_counts_tracked_and_untracked_files_but_not_ignored_one
 def test_repository_bytes_outside_a_checkout_says_what_to_do(tmp_path):
     with pytest.raises(stage.StageError, match="stage from a git checkout"):
         stage.repository_bytes(tmp_path / "nowhere")
-
-
-# --- the bench phase's builds: this base's stock and overlay, or any two installed here ----------
-
-
-def _bench(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    work_root = tmp_path / "root"
-    (work_root / "tiny-glm5-mtp").mkdir(parents=True, exist_ok=True)  # no model to write: not what is tested
-    repo = tmp_path / "repo" if (tmp_path / "repo").is_dir() else device_copy(tmp_path)
-    return run_script("bench", repo / "scripts" / "h200_validation.sh", VLLM="0.33.0", WORK_ROOT=str(work_root),
-                      OUT=str(tmp_path / "out"),
-                      RESULTS_DIR=str(tmp_path / "results"), **env)
-
-
-@pytest.mark.parametrize("env, named", [
-    ({"BENCH_A": "overlay-0.24.0"}, "BENCH_A=overlay-0.24.0"),  # not installed here
-    ({"BENCH_A": "0.33.0"}, "BENCH_A=0.33.0"),  # no side
-    ({"BENCH_A": "stock-0.33.0;rm", "BENCH_B": "overlay-0.33.0"}, "BENCH_A=stock-0.33.0;rm"),
-])
-def test_the_bench_phase_refuses_a_build_not_installed_here_before_anything_runs(tmp_path, env, named):
-    done = _bench(tmp_path, **env)
-    assert done.returncode == 3, done.stdout + done.stderr
-    assert f"bench: {named}: expected stock-X.Y.Z or overlay-X.Y.Z of a base installed here" in done.stderr
-    assert "h200_validation.sh sites (or prepare) first" in done.stderr and not (tmp_path / "results" / "environment.txt").exists()
-
-
-def test_the_bench_phase_serves_the_two_builds_it_is_given_under_their_names(tmp_path):
-    work_root = tmp_path / "root"
-    for build in ("overlay-0.24.0", "overlay-0.33.0"):
-        (work_root / f"site-{build}" / "vllm").mkdir(parents=True)
-        (work_root / f"site-{build}" / "vllm" / "__init__.py").write_text("")
-    done = _bench(tmp_path, BENCH_A="overlay-0.24.0", BENCH_B="overlay-0.33.0", BENCH_ARGS="--workloads base")
-    assert (f"benchmark bench: --a-site {work_root}/site-overlay-0.24.0 --a-name overlay-0.24.0 "
-            f"--b-site {work_root}/site-overlay-0.33.0 --b-name overlay-0.33.0; --workloads base") in done.stdout
-    control = _bench(tmp_path, BENCH_A="overlay-0.33.0", BENCH_B="overlay-0.33.0")
-    assert (f"--a-site {work_root}/site-overlay-0.33.0 --a-name overlay-0.33.0 "
-            f"--b-site {work_root}/site-overlay-0.33.0 --b-name overlay-0.33.0-control;") in control.stdout
-    default, default_root = _bench(tmp_path / "default"), tmp_path / "default" / "root"
-    assert (f"benchmark bench: --a-site {default_root}/site-stock-0.33.0 "
-            f"--b-site {default_root}/site-overlay-0.33.0 --a-name stock --b-name overlay") in default.stdout
-
-
-def test_bench_args_come_last_so_they_can_rename_b_and_give_it_a_setting():
-    # `BENCH_A=X BENCH_B=X BENCH_ARGS="--b-name X-setting --b-env K=V"` measures a setting: that
-    # needs BENCH_ARGS after the builds' names on bench.py's command line (argparse: last wins).
-    script = SCRIPT.read_text()
-    body = script[script.index("\nbench() {"):]
-    command = body[body.index('"$repo/scripts/bench.py" run'):body.index(") \\\n    > \"$results/$label.log\"")]
-    assert command.index('"${bench_builds[@]}"') < command.index("${BENCH_ARGS:-}")
-    assert command.rstrip().endswith("${BENCH_ARGS:-}")
-    args = bench.parse_args(["run", "--a-site", "s", "--b-site", "s", "--a-name", "overlay-0.33.0", "--b-name",
-                             "overlay-0.33.0-control", "--model", "m", "--out", "o",
-                             "--b-name", "overlay-0.33.0-compiled", "--b-env", "VLLM_USE_BREAKABLE_CUDAGRAPH=0"])
-    assert (args.b_name, args.b_env) == ("overlay-0.33.0-compiled", [("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")])

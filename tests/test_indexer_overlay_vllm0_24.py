@@ -2,7 +2,7 @@
 
 These import vLLM, so they run where vLLM 0.24.0 with its overlay is installed: the image's
 `test` stage of that base (`docker buildx bake test-vllm0_24_0`). Elsewhere they skip. The GPU
-half (metadata equivalence with stock, syncs, serving) is scripts/h200_validation.sh.
+half (metadata equivalence with stock, syncs, serving) is the GPU session (scripts/gpu_validation.py).
 """
 
 import importlib.metadata

@@ -1,7 +1,7 @@
 """The self-test's choosing, comparing and reporting, on the CPU with kernels made of the
 reference: exact ones pass, rounding noise passes, wrong ones fail with a named mismatch.
 
-Needs torch (the image's test stage); the GPU half is scripts/h200_validation.sh b12x."""
+Needs torch (the image's test stage); the GPU half is scripts/gpu_validation.py b12x."""
 
 import json
 from types import SimpleNamespace

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 
 from dsa_image.validation import startup_phases
+from record_files import VALIDATION, unpacked
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parents[1]
 COLD_LOG = DATA / "h200-run5-server-cold-warmup-overlay.log"
-COLD_RECORD = ROOT / "docs/validation/h200-2026-12-01-vllm0_33_0-run5/warmstart/warmstart-cold-warmup.json"
+COLD_RECORD = unpacked(VALIDATION / "h200-2026-12-01-vllm0_33_0-run5") / "warmstart/warmstart-cold-warmup.json"
 WARM_LOG = DATA / "h200-run4-server-warm-warmup-overlay.log"
-WARM_RECORD = ROOT / "docs/validation/h200-2026-12-01-vllm0_33_0-run4/warmstart/warmstart-warm-warmup.json"
+WARM_RECORD = unpacked(VALIDATION / "h200-2026-12-01-vllm0_33_0-run4") / "warmstart/warmstart-warm-warmup.json"
 
 
 def _table(log, record, step):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -615,13 +616,11 @@ def test_the_command_line_refuses_a_wrong_layout_with_exit_2(capsys):
     assert "unknown layout 'ray3-tp2'" in capsys.readouterr().err
 
 
-def test_the_shell_phase_parses_and_refuses_to_run_without_its_inputs(tmp_path):
-    script = REPO / "scripts" / "h200_validation.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "RESULTS_DIR": str(tmp_path / "results"),
-           "WORK_ROOT": str(tmp_path), "CLUSTER_LAYOUTS": "mp-tp2"}
-    done = subprocess.run(["bash", str(script), "cluster"], env=env, capture_output=True, text=True, check=False,
-                          timeout=60)
+def test_the_session_phase_refuses_to_run_without_its_inputs(tmp_path):
+    script = REPO / "scripts" / "gpu_validation.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out"), "--results-dir",
+                           str(tmp_path / "results"), "--work-root", str(tmp_path), "--cluster-layouts", "mp-tp2",
+                           "cluster"], capture_output=True, text=True, check=False, timeout=60)
     assert done.returncode == 3
     assert "cluster: expected" in done.stderr and "run the prepare phase first" in done.stderr
 

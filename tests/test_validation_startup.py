@@ -51,7 +51,9 @@ def test_the_summary_reads_a_real_start(tmp_path):
 
     from dsa_image.validation import startup_phases
 
-    root = Path(__file__).resolve().parents[1] / "docs/validation/h200-2026-12-01-vllm0_33_0-run5/warmstart"
+    from record_files import VALIDATION, unpacked
+
+    root = unpacked(VALIDATION / "h200-2026-12-01-vllm0_33_0-run5") / "warmstart"
     side = json.loads((root / "warmstart-cold-warmup.json").read_text())["steps"]["cold-warmup"]["sides"]["overlay"]
     record = startup_phases.Record(side["healthy_after_s"], side["warmup"]["steps"])
     start = {"sides": {"overlay": side}, "precompile_check": {"exit": 0},

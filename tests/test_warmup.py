@@ -681,6 +681,39 @@ def test_warmstart_attributes_compilations_to_the_first_request_or_the_warmup(tm
     assert shipped == ["vllm-models-fake-DeepseekV32MTPModel.json", "vllm-models-fake-GlmMoeDsaForCausalLM.json"]
 
 
+def _warm_start(tmp_path, *extra: str) -> tuple[int, dict]:
+    from dsa_image.tiny_model import write_model
+
+    write_model(tmp_path / "model")
+    site = fakes.fake_vllm_site(tmp_path / "site", fake={"ttft_s": 0.05, "jit_line_on_first": True})
+    code = warmstart.main(["--model", str(tmp_path / "model"), "--overlay-site", str(site), "--out", str(tmp_path / "out"),
+                           "--port-base", str(fakes.free_ports(1)), "--timeout", "60", "--require-warm", *extra])
+    return code, json.loads((tmp_path / "out" / "warmstart.json").read_text())
+
+
+def test_require_warm_passes_a_warm_up_that_took_every_compilation(tmp_path):
+    code, doc = _warm_start(tmp_path, "--steps", "cold,cold-warmup", "--goal-factor", "3")
+    cold, warmed = doc["steps"]["cold"]["sides"]["overlay"], doc["steps"]["cold-warmup"]["sides"]["overlay"]
+    assert cold["compiled_after_ready"] == ["fake_kernel"]  # a cold step without the warm-up is not judged
+    assert warmed["compiled_after_ready"] == [] and warmed["compiled"]["during_warmup"]["triton_jit"] == {"fake_kernel": 1}
+    assert (code, doc["warm_problems"], doc["goal_factor"]) == (0, [], 3.0)
+
+
+def test_require_warm_fails_a_first_request_over_the_goal(tmp_path):
+    code, doc = _warm_start(tmp_path, "--steps", "cold-warmup", "--goal-factor", "0.5")
+    (problem,) = doc["warm_problems"]
+    assert code == 1 and problem.startswith("cold-warmup overlay: first request") and problem.endswith("goal 0.5x")
+
+
+def test_what_compiled_after_the_warm_up_is_a_problem_by_name():
+    compiled = {"triton_jit": {"_fused_q_kernel": 1}, "deepgemm_nvcc_runs": 2, "flashinfer_jit_builds": ["sampling"],
+                "other_jit": {"CuTeDSL:x": 1}}
+    assert warmstart.compiled_names(compiled) == ["_fused_q_kernel", "CuTeDSL:x", "FlashInfer:sampling", "DeepGEMM:nvcc"]
+    side = {"first": {}, "goal_met": True, "first_over_warm": 1.0, "compiled_after_ready": ["fused_moe_kernel"]}
+    doc = {"goal_factor": 1.2, "steps": {"warm": {"sides": {"stock": {**side}}}, "warm-warmup": {"sides": {"stock": side}}}}
+    assert warmstart.warm_problems(doc) == ["warm-warmup stock: compiled after the warm-up: fused_moe_kernel"]
+
+
 def test_a_cold_step_takes_the_model_info_kept_in_the_shared_root(tmp_path):
     from dsa_image.tiny_model import write_model
 

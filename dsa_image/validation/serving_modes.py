@@ -16,6 +16,8 @@ The modes:
                    several prefill chunks
     long-fp8       the same with the fp8 KV cache
     long-fp8-mtp3  the deployment combination: 65536, fp8 KV cache, MTP with 3 tokens
+    long-mtp1      65536 with MTP, 1 token, on the bf16 cache (with long-fp8-mtp3: MTP 1 and 3
+                   past 32k on both caches, for a model too large for more than two servers)
 
 Which decode path and attention backend a mode gets on the H200 (sm_90) depends on the base
 (H200_PATHS): the indexer decodes next_n rows per request natively where DeepGEMM's paged MQA
@@ -95,6 +97,7 @@ MODES = {m.name: m for m in (
     Mode("long-bf16", "base", LONG_MAX_MODEL_LEN, LONG_PROMPTS, 32),
     Mode("long-fp8", "base", LONG_MAX_MODEL_LEN, LONG_PROMPTS, 32, kv_cache_dtype=FP8_KV),
     Mode("long-fp8-mtp3", "mtp", LONG_MAX_MODEL_LEN, LONG_PROMPTS, 32, spec_tokens=3, kv_cache_dtype=FP8_KV),
+    Mode("long-mtp1", "mtp", LONG_MAX_MODEL_LEN, LONG_PROMPTS, 32, spec_tokens=1),
 )}
 
 
@@ -454,8 +457,10 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", help=f"comma-separated, of: {', '.join(MODES)}; or {MTP_PATHS}: "
                         "the base's MTP modes, one per indexer decode path")
-    parser.add_argument("--model", required=True, help="the tiny GLM-5 (scripts/make_tiny_model.py)")
-    parser.add_argument("--mtp-model", help="the tiny GLM-5 with its MTP layer (for the MTP modes)")
+    parser.add_argument("--model", required=True, help="the tiny GLM-5 (scripts/make_tiny_model.py), or "
+                        "GLM-5 at real width (scripts/make_realwidth_model.py)")
+    parser.add_argument("--mtp-model", help="the same with its MTP layer (for the MTP modes; GLM-5 at real width "
+                        "has it: the same directory)")
     parser.add_argument("--stock-site", required=True)
     parser.add_argument("--overlay-site", required=True)
     parser.add_argument("--out", required=True)

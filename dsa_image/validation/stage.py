@@ -3,10 +3,11 @@
 The device machine has no network, and each call carries at most 64 MiB: the repository's
 files and what it names in `carry`. The wheels travel as one tarball in parts under
 ``.stage/vllm-X.Y.Z/`` (git-ignored), one part per call, each as large as the carry leaves room
-for beside the repository (`part_bytes`), and scripts/h200_validation.sh reassembles them in /tmp/stage-X.Y.Z.
+for beside the repository (`part_bytes`), and the GPU session runner (scripts/gpu_validation.py)
+reassembles them in /tmp/stage-X.Y.Z.
 
 What the H200 has: its Python's ``pip list --format=freeze``, as the `inventory` phase of
-scripts/h200_validation.sh recorded it (`H200_RECORD`, recipes/hosts/h200-pip-freeze.txt; the
+scripts/gpu_validation.py recorded it (`H200_RECORD`, recipes/hosts/h200-pip-freeze.txt; the
 header says when and where). Staging selects against that record; the inventory phase, the
 first call of a session, checks on the device that the record still holds there and that the
 bundle and the H200 together cover every pin of the base (`--check-freeze`).
@@ -332,7 +333,7 @@ def read_record(freeze: Path) -> dict[str, str]:
         return parse_freeze(freeze.read_text(), str(freeze))
     except FileNotFoundError as exc:
         raise StageError(f"expected the H200's `pip list --format=freeze` at {freeze}; the inventory phase "
-                         "(`bash scripts/h200_validation.sh inventory`) writes it") from exc
+                         "(`python3 scripts/gpu_validation.py inventory`) writes it") from exc
 
 
 def present_on_h200(freeze: Path) -> tuple[dict[str, str], str]:

@@ -189,6 +189,8 @@ def parse_args(argv):
     parser.add_argument("--cuda-arch", default="9.0", help="this GPU's capability, for the precompile build")
     parser.add_argument("--port-base", type=int, default=8500)
     parser.add_argument("--health-timeout", type=float, default=420, help="seconds for a server to become healthy")
+    parser.add_argument("--goal-factor", type=float, default=2.0,
+                        help="the first 3,000-token request within this many times the warm latency (issue 27: 2)")
     parser.add_argument("--budget-s", type=float, default=560,
                         help="every start ends within this many seconds of the first (a device call has 600)")
     args = parser.parse_args(argv)

@@ -2,10 +2,11 @@
 
     PYTHONPATH=SITE:REPO python3 -m dsa_image.validation.torch_libs --vllm VERSION --site SITE
 
-scripts/h200_validation.sh installs a base's staged wheels into SITE with `pip install --target`
-and runs everything with SITE first on PYTHONPATH, ahead of the H200's venv (torch 2.11.0 and
-its CUDA 13.0 libraries). A base whose torch differs (vLLM 0.33.0: torch 2.14.0) has torch and
-its whole NVIDIA library set in SITE (dsa_image.validation.stage.torch_stack). torch finds
+The GPU session runner (scripts/gpu_validation.py) installs a base's staged wheels into SITE
+with `pip install --target` and runs everything with SITE first on PYTHONPATH, ahead of the
+H200's venv (torch 2.11.0 and its CUDA 13.0 libraries). A base whose torch differs (vLLM 0.33.0:
+torch 2.14.0) has torch and its whole NVIDIA library set in SITE
+(dsa_image.validation.stage.torch_stack). torch finds
 those libraries through its RPATH ($ORIGIN/../../nvidia/...) and then preloads each from the
 first sys.path entry that has it (torch/__init__.py, _load_global_deps), so the order of
 PYTHONPATH decides, and this checks what it decided: after a matmul (cuBLAS) and a convolution
