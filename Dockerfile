@@ -230,7 +230,7 @@ RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/ups
 # looks in (FLASHINFER_WORKSPACE_BASE=/home/vllm), with a manifest of what, for which arch and
 # sha256 (dsa_image/precompile.py). No GPU needed. From deps, not extras: a recipe edit leaves it
 # cached, and FlashInfer's files here are the runtime's (extras adds packages, replaces none;
-# the runtime stage's check proves it). Built under emulation (the arm64 image on an x86-64
+# the runtime stage's check proves it). Cross-built under QEMU (the arm64 image on an x86-64
 # host) it compiles nothing and says so: nvcc under QEMU is prohibitively slow
 # (docs/decisions.md); FlashInfer then builds at first start, as before.
 FROM deps AS precompile
