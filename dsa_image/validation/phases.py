@@ -304,7 +304,7 @@ def upstream(s: Session) -> int:
     the next call, whose gate runs what is left (its exit 3 here: INCOMPLETE), then compares."""
     p, o = s.paths, s.opts
     bundle, out = upstream_bundle(s), p.results / "upstream-tests"
-    log(f"upstream's tests: stock vs overlay, file by file, two at once ({bundle})")
+    log(f"upstream's tests: stock vs overlay, file by file, {o.upstream_jobs} runs at once ({bundle})")
     out.mkdir(parents=True, exist_ok=True)
     # A file started at the gate's deadline may run its timeout: with less left than the two
     # together, both shrink alike, so that the last file still ends before the session's deadline.
@@ -313,7 +313,7 @@ def upstream(s: Session) -> int:
     deadline, timeout = max(1.0, o.upstream_deadline_s * share), max(1.0, o.upstream_timeout_s * share)
     log_path = p.results / "upstream-tests.log"
     status = s.python(p.repo / "scripts" / "upstream_tests.py", "gate", "--bundle", bundle, "--out", out, "--python",
-                      sys.executable, "--stock-site", p.site_stock, "--overlay-site", p.site_overlay, "--jobs", "2",
+                      sys.executable, "--stock-site", p.site_stock, "--overlay-site", p.site_overlay, "--jobs", str(o.upstream_jobs),
                       "--timeout", f"{timeout:.0f}", "--deadline-s", f"{deadline:.0f}", "--json", out / "compare.json",
                       log_path=out / "compare.txt", errors=log_path)
     with log_path.open("a") as f:

@@ -116,7 +116,7 @@ PHASES = {p.name: p for p in (
           "install alone: the two sites, verified, and the tiny GLM-5, no model info (a bench makes its own)",
           setup=True),
     Phase("upstream", (ph.need_sites, ph.need_upstream_bundle), _env((ph.upstream,)),
-          ("upstream_bundle", "upstream_timeout_s", "upstream_deadline_s"), _s(180),
+          ("upstream_bundle", "upstream_timeout_s", "upstream_deadline_s", "upstream_jobs"), _s(180),
           "vLLM's own tests that import an overlaid module (scripts/upstream_tests.py gate, docs/upstream-tests.md), "
           "each selected file on stock and on the overlay, two at once, compared test by test; a later call "
           "resumes what is left (not finished: exit 4)", collects=False),
@@ -214,6 +214,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "carried (default: the repository's build/upstream-tests-X.Y.Z)")
     knobs.add_argument("--upstream-timeout-s", type=float, default=420, help="seconds per test file and side")
     knobs.add_argument("--upstream-deadline-s", type=float, default=120, help="no test file starts after this")
+    knobs.add_argument("--upstream-jobs", type=int, default=2, help="test-file runs at once on the one GPU (2: a "
+                       "file's stock and overlay runs together; 6: three files at once)")
     knobs.add_argument("--realwidth-modes", default=REALWIDTH_MODES[0],
                        help=f"realwidth-equiv's serving mode, one of {', '.join(REALWIDTH_MODES)} (two servers each)")
     opts = parser.parse_args(argv)
