@@ -296,7 +296,7 @@ RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/ups
     tool=/mnt/upstream/upstream-tool/scripts/upstream_tests.py; results=/opt/dsa-image/upstream-results; \
     python -B "${tool}" run --side overlay --bundle /mnt/upstream/upstream-tests --out "${results}" \
         --libs /opt/dsa-image/test-libs --timeout 600 || [[ $? -eq 3 ]]; \
-    python -B "${tool}" compare "${results}" --json "${results}/compare.json" | tee "${results}/compare.txt"
+    python -B "${tool}" compare "${results}" --bundle /mnt/upstream/upstream-tests --json "${results}/compare.json" | tee "${results}/compare.txt"
 
 # ---------------------------------------------------------------------------------------------
 FROM overlay AS test

@@ -849,21 +849,33 @@ class Comparison:
         return "incomplete" if self.incomplete or not self.stock_passed else "ok"
 
 
-def compare_runs(out: Path) -> Comparison:
-    """The stock and overlay runs in out/stock and out/overlay, test by test."""
+def compare_runs(out: Path, bundle: Bundle, files: list[str] | None = None) -> Comparison:
+    """The stock and overlay runs in out/stock and out/overlay, test by test, over every file
+    `bundle` selects (or `files` of them): a selected file neither side has a result for is
+    compared too, as incomplete, so a run cut short can never read as a pass."""
     stock, overlay = load_run(out, "stock"), load_run(out, "overlay")
     if stock["bundle_sha256"] != overlay["bundle_sha256"]:
         raise UpstreamTestsError(f"{out}: the stock and overlay results come from different bundles "
                                  f"({stock['bundle_sha256']} vs {overlay['bundle_sha256']}); run both from one")
+    if stock["bundle_sha256"] != bundle.sha256:
+        raise UpstreamTestsError(f"{out}: results of another bundle (sha256 {stock['bundle_sha256']}, "
+                                 f"{bundle.root} is {bundle.sha256}); compare with the bundle they ran")
+    selected = [s["path"] for s in bundle.selected]
+    unknown = sorted(set(files or ()) - set(selected))
+    if unknown:
+        raise UpstreamTestsError(f"not selected in {bundle.root}: {', '.join(unknown)}")
+    strays = sorted((set(stock["files"]) | set(overlay["files"])) - set(selected))
+    if strays:
+        raise UpstreamTestsError(f"{out}: results for files {bundle.root} does not select: {', '.join(strays[:5])}")
     sites = (stock.get("site") or {}), (overlay.get("site") or {})
     versions = {s.get("vllm_version") for s in sites}
     if len(versions) != 1 or None in versions:
         raise UpstreamTestsError(f"{out}: expected both sides on one vLLM, found {sorted(map(str, versions))}")
     if sites[0].get("receipt") or not sites[1].get("receipt"):
         raise UpstreamTestsError(f"{out}: the stock side must have no overlay receipt and the overlay side one")
-    paths = sorted(set(stock["files"]) | set(overlay["files"]))
-    files = tuple(compare_file(p, stock["files"].get(p, {}), overlay["files"].get(p, {}), out) for p in paths)
-    return Comparison(versions.pop(), files)
+    paths = sorted(p for p in selected if not files or p in files)
+    compared = tuple(compare_file(p, stock["files"].get(p, {}), overlay["files"].get(p, {}), out) for p in paths)
+    return Comparison(versions.pop(), compared)
 
 
 def _cell(result: dict, counts: dict[str, int]) -> str:

@@ -10,7 +10,9 @@ overlaid module, run per file against a stock site and an overlaid site, compare
                                            each selected file in its own pytest, junit XML per
                                            file in OUT/SIDE/ (resumes: files with a result are
                                            not run again)
-  compare OUT [--json FILE]                the per-file table, the regressions, "N regressions"
+  compare OUT --bundle DIR [--json FILE]   the per-file table over every file the bundle selects
+                                           (none left out for lack of results), the regressions,
+                                           "N regressions"
   gate    --bundle DIR --out OUT --stock-site DIR --overlay-site DIR [--python EXE] [--jobs 2]
                                            run both sides (interleaved by file, --jobs at once),
                                            then compare
@@ -110,8 +112,8 @@ def cmd_run(args) -> int:
     return _finish(runs, args.out)
 
 
-def report_comparison(out: Path, json_path: Path | None) -> int:
-    comparison = ut.compare_runs(out)
+def report_comparison(out: Path, bundle: ut.Bundle, files: list[str] | None, json_path: Path | None) -> int:
+    comparison = ut.compare_runs(out, bundle, files)
     print(ut.format_comparison(comparison), end="")
     if json_path:
         json_path.write_text(json.dumps(ut.comparison_doc(comparison), indent=2, sort_keys=True) + "\n")
@@ -119,7 +121,7 @@ def report_comparison(out: Path, json_path: Path | None) -> int:
 
 
 def cmd_compare(args) -> int:
-    return report_comparison(args.out, args.json)
+    return report_comparison(args.out, ut.load_bundle(args.bundle), args.files, args.json)
 
 
 def cmd_gate(args) -> int:
@@ -127,7 +129,7 @@ def cmd_gate(args) -> int:
     sites = [_site("stock", args.python, args.stock_site, args.libs),
              _site("overlay", args.python, args.overlay_site, args.libs)]
     ut.run_tasks(bundle, sites, args.out, args.timeout, args.files, args.jobs, args.deadline_s, say)
-    return report_comparison(args.out, args.json)
+    return report_comparison(args.out, bundle, args.files, args.json)
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
@@ -163,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     run.set_defaults(run=cmd_run)
     compare = commands.add_parser("compare", help="compare OUT/stock with OUT/overlay")
     compare.add_argument("out", type=Path)
+    compare.add_argument("--bundle", type=Path, required=True,
+                         help="the bundle both sides ran: each file it selects counts, with or without results")
+    compare.add_argument("--files", nargs="+", metavar="PATH", help="only these selected files (tests/...py)")
     compare.add_argument("--json", type=Path, help="also write the comparison as JSON")
     compare.set_defaults(run=cmd_compare)
     gate = commands.add_parser("gate", help="run both sides, then compare")

@@ -277,8 +277,20 @@ def test_node_ids_are_pytests():
     assert ut.node_id("tests/v1/test_x.py", "", "tests.v1.test_x") == "tests/v1/test_x.py"  # collection
 
 
-def results(out: Path, side: str, files: dict[str, list | str], receipt: bool, bundle_sha="b" * 64) -> None:
-    """out/<side>: run.json and junit per file (a list of (test, outcome)), or a status."""
+def selecting(out: Path, *paths: str) -> None:
+    """out/bundle: a bundle that selects the test files `paths` (each imports vllm.mod)."""
+    files = {"tests/__init__.py": "", **{p: "import vllm.mod\n" for p in paths}}
+    upstream = tree(files)
+    selection = ut.select(upstream, ("vllm.mod",))
+    assert {s.path for s in selection.selected} == set(paths)
+    doc = ut.selection_doc(selection, "0.33.0", "vllm-0.33.0.tar.gz", "0" * 64)
+    ut.write_bundle(out / "bundle", upstream, {"pyproject.toml": b""}, selection, doc, None)
+
+
+def results(out: Path, side: str, files: dict[str, list | str], receipt: bool, bundle_sha=None) -> None:
+    """out/<side>: run.json and junit per file (a list of (test, outcome)), or a status; of the
+    bundle out/bundle unless `bundle_sha` says another."""
+    bundle_sha = bundle_sha or ut.load_bundle(out / "bundle").sha256
     doc = {"schema": ut.RUN_SCHEMA, "side": side, "bundle_sha256": bundle_sha, "files": {},
            "site": {"python": "python3", "site": None, "vllm_version": "0.33.0", "vllm_site": f"/{side}",
                     "receipt": receipt}}
@@ -292,13 +304,14 @@ def results(out: Path, side: str, files: dict[str, list | str], receipt: bool, b
     (out / side / ut.RUN_FILE).write_text(json.dumps(doc))
 
 
-def compare(out: Path) -> tuple[int, str]:
-    done = subprocess.run([sys.executable, str(SCRIPT), "compare", str(out), "--json", str(out / "c.json")],
-                          capture_output=True, text=True)
+def compare(out: Path, *args: str) -> tuple[int, str]:
+    done = subprocess.run([sys.executable, str(SCRIPT), "compare", str(out), "--bundle", str(out / "bundle"),
+                           "--json", str(out / "c.json"), *args], capture_output=True, text=True)
     return done.returncode, done.stdout + done.stderr
 
 
 def test_a_skip_on_stock_that_fails_on_the_overlay_is_a_regression_and_fails_on_both_are_listed(tmp_path):
+    selecting(tmp_path, "tests/test_a.py")
     results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed"), ("skip", "skipped"), ("both", "failed")]}, False)
     results(tmp_path, "overlay", {"tests/test_a.py": [("ok", "passed"), ("skip", "failed"), ("both", "error")]}, True)
     code, output = compare(tmp_path)
@@ -312,6 +325,7 @@ def test_a_skip_on_stock_that_fails_on_the_overlay_is_a_regression_and_fails_on_
 
 
 def test_no_regression_is_exit_0_with_the_table_and_0_regressions(tmp_path):
+    selecting(tmp_path, "tests/test_a.py")
     results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed"), ("bad", "failed")]}, False)
     results(tmp_path, "overlay", {"tests/test_a.py": [("ok", "passed"), ("bad", "passed")]}, True)
     code, output = compare(tmp_path)
@@ -321,6 +335,7 @@ def test_no_regression_is_exit_0_with_the_table_and_0_regressions(tmp_path):
 
 
 def test_an_overlay_file_that_timed_out_where_stock_ran_is_a_regression(tmp_path):
+    selecting(tmp_path, "tests/test_a.py", "tests/test_b.py")
     results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed")], "tests/test_b.py": [("bad", "failed")]}, False)
     results(tmp_path, "overlay", {"tests/test_a.py": "timeout", "tests/test_b.py": "crashed"}, True)
     code, output = compare(tmp_path)
@@ -331,25 +346,50 @@ def test_an_overlay_file_that_timed_out_where_stock_ran_is_a_regression(tmp_path
 
 
 def test_a_file_without_a_result_on_a_side_or_nothing_passing_is_incomplete(tmp_path):
+    selecting(tmp_path, "tests/test_a.py", "tests/test_b.py")
     results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed")], "tests/test_b.py": "not-runnable"}, False)
     results(tmp_path, "overlay", {"tests/test_a.py": [("ok", "passed")], "tests/test_b.py": "not-runnable"}, True)
     code, output = compare(tmp_path)
     assert code == 3, output
     assert "tests/test_b.py [stock] not-runnable: not-runnable here" in output
     other = tmp_path / "none-passed"
+    selecting(other, "tests/test_a.py")
     results(other, "stock", {"tests/test_a.py": [("bad", "failed")]}, False)
     results(other, "overlay", {"tests/test_a.py": [("bad", "failed")]}, True)
     code, output = compare(other)
     assert code == 3 and "no test passed on stock" in output, output
 
 
+def test_a_selected_file_neither_side_reached_makes_the_comparison_incomplete(tmp_path):
+    """A run cut short (a deadline, a killed call) has results for some files only: the files
+    it never reached count, so the verdict is incomplete, never "0 regressions" and exit 0."""
+    selecting(tmp_path, "tests/test_a.py", "tests/test_b.py")
+    results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed")]}, False)
+    results(tmp_path, "overlay", {"tests/test_a.py": [("ok", "passed")]}, True)
+    code, output = compare(tmp_path)
+    assert code == 3, output
+    assert "tests/test_b.py [stock] not run: not run yet" in output
+    assert "tests/test_b.py [overlay] not run: not run yet" in output
+    row = next(line for line in output.splitlines() if line.startswith("tests/test_b.py"))
+    assert row.split()[1:] == ["not", "run", "not", "run"]
+    doc = json.loads((tmp_path / "c.json").read_text())
+    assert doc["verdict"] == "incomplete" and set(doc["files"]) == {"tests/test_a.py", "tests/test_b.py"}
+    code, output = compare(tmp_path, "--files", "tests/test_a.py")  # the subset asked for is complete
+    assert code == 0 and "tests/test_b.py" not in output, output
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda out: results(out, "overlay", {}, True, bundle_sha="c" * 64), "come from different bundles"),
+    (lambda out: [results(out, side, {}, side == "overlay", bundle_sha="c" * 64) for side in ut.SIDES],
+     "results of another bundle"),
+    (lambda out: results(out, "overlay", {"tests/test_z.py": [("ok", "passed")]}, True),
+     "results for files"),
     (lambda out: results(out, "overlay", {}, False), "the overlay side one"),
     (lambda out: (out / "overlay" / ut.RUN_FILE).write_text("[]"), "not a schema 1 run of the overlay side"),
     (lambda out: shutil.rmtree(out / "overlay"), "overlay/run.json: missing"),
 ])
 def test_results_that_cannot_be_compared_are_refused(tmp_path, edit, message):
+    selecting(tmp_path, "tests/test_a.py")
     results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed")]}, False)
     results(tmp_path, "overlay", {"tests/test_a.py": [("ok", "passed")]}, True)
     edit(tmp_path)
