@@ -75,17 +75,20 @@ def _spec(module: str):
 
 
 def _ninja_text(spec) -> str:
-    """The build.ninja FlashInfer would write for `spec` now: JitSpecNvcc.write_ninja's call
-    (FlashInfer 0.7.2.post1), without writing it."""
+    """The build.ninja FlashInfer would write for `spec` now: JitSpec.write_ninja's call, without
+    writing it. FlashInfer 0.7.2.post1 (vLLM 0.33.0) passes two arguments that 0.6.12 (vLLM
+    0.24.0) has not: each is passed where the spec has it."""
     from flashinfer.jit.cpp_ext import generate_ninja_build_for_op
 
-    if spec.embedded_cubin_factory is not None:
+    if getattr(spec, "embedded_cubin_factory", None) is not None:
         raise PrecompileError(f"{spec.name}: embeds cubins, which `check` cannot regenerate without writing")
+    newer = {"embedded_cubins": None, "extra_cuda_cflags_by_source": spec.extra_cuda_cflags_by_source} \
+        if hasattr(spec, "extra_cuda_cflags_by_source") else {}
     return generate_ninja_build_for_op(
         name=spec.name, sources=spec.sources, extra_cflags=spec.extra_cflags,
         extra_cuda_cflags=spec.extra_cuda_cflags, extra_ldflags=spec.extra_ldflags,
         extra_include_dirs=spec.extra_include_dirs, needs_device_linking=spec.needs_device_linking,
-        embedded_cubins=None, extra_cuda_cflags_by_source=spec.extra_cuda_cflags_by_source)
+        **newer)
 
 
 def _driver_stub(objects: list[Path], into: Path) -> Path:
@@ -120,9 +123,9 @@ def child_build(module: str) -> dict:
             raise PrecompileError(f"compiling {spec.name}'s objects failed:\n{(compiled.stdout + compiled.stderr)[-3000:]}")
         with tempfile.TemporaryDirectory() as stub_dir:
             os.environ["LIBRARY_PATH"] = str(_driver_stub(objects, Path(stub_dir)))
-            spec.build()
+            spec.build(verbose=False)  # required by FlashInfer 0.6.12, optional in 0.7.2.post1
     else:
-        spec.build()
+        spec.build(verbose=False)
     return {**child_state(module), "seconds": round(time.monotonic() - started, 1)}
 
 
