@@ -112,6 +112,14 @@ def copy_out(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
+def _default_interrupt() -> None:
+    """In the child, before exec: SIGINT back to its default. A runner started in the background
+    (`gpu_validation.py ... &`, nohup) inherits SIGINT ignored and so would every harness it
+    starts; Python then installs no KeyboardInterrupt handler, and the deadline's SIGINT, which
+    a harness answers by stopping its servers, would do nothing for `grace` seconds."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Session:
     def __init__(self, opts: argparse.Namespace, paths: Paths):
         self.opts, self.paths = opts, paths
@@ -145,7 +153,8 @@ class Session:
         printed = None
         try:
             proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=environ, stdout=sink,
-                                    stderr=error_sink, text=True, start_new_session=True)
+                                    stderr=error_sink, text=True, start_new_session=True,
+                                    preexec_fn=_default_interrupt)
             try:
                 printed = proc.communicate(timeout=timeout)[0]
             except subprocess.TimeoutExpired:
