@@ -670,13 +670,6 @@ def image_ref(build: Recipe, target: str, repository: str = IMAGE_REPOSITORY) ->
     return f"{repository}:{build.vllm_version}-{target}"
 
 
-def ray_modes_available() -> bool:
-    """Whether the image's entrypoint has the Ray head/worker modes the Ray cluster form uses."""
-    from . import entrypoint  # noqa: PLC0415 - entrypoint may import this module
-
-    return {"ray-head", "ray-worker"} <= set(entrypoint.MODES)
-
-
 # Docker's own rule for a named volume (a -v source that is no absolute path).
 VOLUME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]+")
 # What --nodes may name: a host name or an IPv4/IPv6 address (never a word ssh would take as an option).
@@ -758,10 +751,6 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
     head = addresses[0]
     nodes = []
     if recipe.layout["cluster_backend"] == "ray":
-        if not ray_modes_available():
-            notes.append("PENDING: the image has no ray-head / ray-worker modes yet (dsa_image/entrypoint.py) and no "
-                         "Ray in its lock; these commands are the form they will take. Today: --set "
-                         "cluster_backend=mp (vLLM's own multi-node multiprocessing, no Ray)")
         serve = ["vllm", "serve", *args, "--distributed-executor-backend", "ray"]
         for rank, address in enumerate(addresses):
             role = "head" if rank == 0 else "worker"
@@ -1057,9 +1046,6 @@ def execute(launch: Launch, request: Request, run: Callable = subprocess.run) ->
     problem = host_gpu_problem(launch.target, request.build, run)
     if problem:
         raise TargetError(problem)
-    if launch.recipe.layout["cluster_backend"] == "ray" and len(launch.nodes) > 1 and not ray_modes_available():
-        raise TargetError("the Ray cluster form needs the image's ray-head / ray-worker modes, which are not there "
-                          "yet; use --set cluster_backend=mp")
     ssh = shlex.split(request.args.ssh)
     head, workers = launch.nodes[0], launch.nodes[1:]
     # (node, command, whether it starts a detached container)

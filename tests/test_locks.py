@@ -6,7 +6,6 @@ the recipe generates."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -25,9 +24,6 @@ BASES = {recipe.vllm_version: recipe for recipe in load_every_base()}
 # torch requires, whose nvcc/crt/nvvm/cccl/cudart/curand the recipe pins.
 TORCH = {"0.24.0": ("2.11.0", "13.0.2"), "0.33.0": ("2.14.0", "13.0.3.0")}
 
-# The image's test stage carries the recipe but not these generated repository files.
-pytestmark = pytest.mark.skipif(os.environ.get("DSA_IMAGE_IN_IMAGE") == "1",
-                                reason="checks generated repository files the image does not carry")
 
 
 def copy_recipe(tmp_path: Path, edit) -> Path:

@@ -626,14 +626,13 @@ def test_cli_refusals(args, code, message):
     assert (done.returncode, message in done.stderr) == (code, True), done.stderr
 
 
-def cluster(backend: str, monkeypatch, ray_modes: bool = False) -> sr.Launch:
-    monkeypatch.setattr(sr, "ray_modes_available", lambda: ray_modes)
+def cluster(backend: str) -> sr.Launch:
     recipe = load(SPARK, [f"cluster_backend={backend}"])
     return sr.plan_launch(recipe, "sm120", BUILD, hosts=SPARK8_HOSTS, solo=False, ifname="enp1s0")
 
 
-def test_mp_cluster_runs_headless_workers(monkeypatch):
-    launch = cluster("mp", monkeypatch)
+def test_mp_cluster_runs_headless_workers():
+    launch = cluster("mp")
     for node in launch.nodes:
         words = node.docker
         assert words[words.index("--node-rank") + 1] == str(node.rank)
@@ -644,21 +643,15 @@ def test_mp_cluster_runs_headless_workers(monkeypatch):
     assert not any("PENDING" in n for n in launch.notes)
 
 
-def test_ray_cluster_follows_run_cluster_sh(monkeypatch):
-    launch = cluster("ray", monkeypatch)
+def test_ray_cluster_follows_run_cluster_sh():
+    launch = cluster("ray")
     head, workers = launch.nodes[0], launch.nodes[1:]
     assert head.docker[-1:] == ["ray-head"] and "RAY_PORT=6379" in head.docker
     assert all(w.docker[-2:] == ["ray-worker", "10.0.0.1:6379"] for w in workers)
     assert head.then[:3] == ["docker", "exec", "dsa-glm-5.2-nvfp4-8xspark-head"]
     assert head.then[-2:] == ["--distributed-executor-backend", "ray"]
     assert any(f"VLLM_HOST_IP={w.address}" in w.docker for w in workers)
-    assert any("PENDING" in n for n in launch.notes)
-    assert not any("PENDING" in n for n in cluster("ray", monkeypatch, ray_modes=True).notes)
-
-
-def test_ray_modes_are_looked_up_in_the_entrypoint():
-    from dsa_image import entrypoint
-    assert sr.ray_modes_available() == ({"ray-head", "ray-worker"} <= set(entrypoint.MODES))
+    assert not any("PENDING" in n for n in launch.notes)
 
 
 # -- launching -----------------------------------------------------------------------------
@@ -696,12 +689,6 @@ def test_launch_mp_cluster_starts_workers_over_ssh_then_the_head(with_nvidia_smi
     # the head's vllm ended: the workers it needs are stopped, the last started first
     assert run.calls[8:] == [["ssh", h, f"docker stop dsa-{SPARK}-node{i}"] for i, h in reversed(
         list(enumerate(SPARK8_HOSTS))[1:])]
-
-
-def test_launch_ray_cluster_is_refused_while_the_modes_are_missing(monkeypatch):
-    monkeypatch.setattr(sr, "host_gpu_problem", lambda *a, **k: None)
-    monkeypatch.setattr(sr, "ray_modes_available", lambda: False)
-    assert sr.main([SPARK, "--nodes", ",".join(SPARK8_HOSTS)], run=Recorder()) == sr.TARGET
 
 
 def test_wrong_gpu_family_is_refused(with_nvidia_smi):

@@ -21,9 +21,6 @@ SCRIPT = REPO / "scripts" / "make_tiny_model.py"
 # vendored so that a fresh clone checks against it: tests/data/README.md says where it is from.
 REFERENCE_CONFIG = REPO / "tests" / "data" / "tiny-glm5-config.json"
 
-# The image's test stage (DSA_IMAGE_IN_IMAGE=1) carries dsa_image/ and tests/ but not this script.
-needs_script = pytest.mark.skipif(os.environ.get("DSA_IMAGE_IN_IMAGE") == "1",
-                                  reason="runs a script of scripts/ that the image's test stage does not carry")
 
 
 def test_config_is_the_reference_config():
@@ -81,7 +78,6 @@ def test_a_short_corpus_fails_closed(monkeypatch):
         tiny_model.build_vocab(CONFIG["vocab_size"])
 
 
-@needs_script
 def test_same_bytes_every_run_and_across_hash_seeds(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for out, seed in ((a, "1"), (b, "2")):
@@ -112,7 +108,6 @@ def test_writes_into_an_empty_directory(tmp_path):
     assert tiny_model.model_dir_differences(out) == []
 
 
-@needs_script
 def test_check_names_each_difference(tmp_path):
     out = tmp_path / "model"
     tiny_model.write_model(out)
@@ -129,7 +124,6 @@ def test_check_names_each_difference(tmp_path):
     assert "config.json: content differs" in result.stderr
 
 
-@needs_script
 def test_cli_exit_codes(tmp_path):
     out = tmp_path / "m"
     assert subprocess.run([sys.executable, str(SCRIPT), str(out)], capture_output=True).returncode == 0
