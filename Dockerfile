@@ -124,8 +124,9 @@ RUN if [[ -z "${TARGET}" || -z "${CUDA_ARCH_LIST}" || -z "${VLLM_VERSION}" || -z
 # pip check then accepts exactly the conflicts the recipe overrides (b12x's torch floor).
 RUN --mount=type=bind,from=pins,source=/pins,target=/tmp/dsa-image/pins \
     --mount=type=bind,source=dsa_image/__init__.py,target=/tmp/dsa-image/tool/dsa_image/__init__.py \
-    --mount=type=bind,source=dsa_image/recipe.py,target=/tmp/dsa-image/tool/dsa_image/recipe.py \
-    --mount=type=bind,source=dsa_image/pip_check.py,target=/tmp/dsa-image/tool/dsa_image/pip_check.py \
+    --mount=type=bind,source=dsa_image/core,target=/tmp/dsa-image/tool/dsa_image/core \
+    --mount=type=bind,source=dsa_image/build/__init__.py,target=/tmp/dsa-image/tool/dsa_image/build/__init__.py \
+    --mount=type=bind,source=dsa_image/build/pip_check.py,target=/tmp/dsa-image/tool/dsa_image/build/pip_check.py \
     --mount=type=bind,source=scripts/pip_check.py,target=/tmp/dsa-image/tool/scripts/pip_check.py \
     --mount=type=cache,id=dsa-image-pip,target=/root/.cache/pip,sharing=locked \
     --mount=type=secret,id=pip-ca \
@@ -138,8 +139,9 @@ RUN --mount=type=bind,from=pins,source=/pins,target=/tmp/dsa-image/pins \
 # Proof, without a GPU, that this image runs on its GPUs: nvcc builds a CUDA library for each
 # target capability, and vLLM's compiled extensions carry SASS/PTX for them.
 RUN --mount=type=bind,source=dsa_image/__init__.py,target=/tmp/dsa-image/tool/dsa_image/__init__.py \
-    --mount=type=bind,source=dsa_image/arch_check.py,target=/tmp/dsa-image/tool/dsa_image/arch_check.py \
-    --mount=type=bind,source=dsa_image/dist_info.py,target=/tmp/dsa-image/tool/dsa_image/dist_info.py \
+    --mount=type=bind,source=dsa_image/build/__init__.py,target=/tmp/dsa-image/tool/dsa_image/build/__init__.py \
+    --mount=type=bind,source=dsa_image/build/arch_check.py,target=/tmp/dsa-image/tool/dsa_image/build/arch_check.py \
+    --mount=type=bind,source=dsa_image/core,target=/tmp/dsa-image/tool/dsa_image/core \
     --mount=type=bind,source=scripts/arch_check.py,target=/tmp/dsa-image/tool/scripts/arch_check.py \
     python -B /tmp/dsa-image/tool/scripts/arch_check.py toolchain --cuda-arch "${CUDA_ARCH_LIST}"; \
     python -B /tmp/dsa-image/tool/scripts/arch_check.py extensions --cuda-arch "${CUDA_ARCH_LIST}" \
@@ -147,7 +149,8 @@ RUN --mount=type=bind,source=dsa_image/__init__.py,target=/tmp/dsa-image/tool/ds
 
 # ---------------------------------------------------------------------------------------------
 FROM base AS tiny-model
-COPY dsa_image/__init__.py dsa_image/tiny_model.py /tmp/dsa-image/tool/dsa_image/
+COPY dsa_image/__init__.py /tmp/dsa-image/tool/dsa_image/
+COPY dsa_image/build/__init__.py dsa_image/build/tiny_model.py /tmp/dsa-image/tool/dsa_image/build/
 COPY scripts/make_tiny_model.py /tmp/dsa-image/tool/scripts/
 RUN python -B /tmp/dsa-image/tool/scripts/make_tiny_model.py /tiny-glm5
 
@@ -162,13 +165,15 @@ RUN python -B /tmp/dsa-image/tool/scripts/make_tiny_model.py /tiny-glm5
 FROM extras AS model-info
 ARG BUILDPLATFORM
 ARG TARGETPLATFORM
-COPY dsa_image/__init__.py dsa_image/compile_caches.py dsa_image/model_info_cache.py /tmp/dsa-image/tool/dsa_image/
+COPY dsa_image/__init__.py /tmp/dsa-image/tool/dsa_image/
+COPY dsa_image/core/__init__.py dsa_image/core/compile_caches.py /tmp/dsa-image/tool/dsa_image/core/
+COPY dsa_image/build/__init__.py dsa_image/build/model_info_cache.py /tmp/dsa-image/tool/dsa_image/build/
 COPY --from=tiny-model /tiny-glm5 /tmp/dsa-image/tiny-glm5
 RUN if [[ "${BUILDPLATFORM}" != "${TARGETPLATFORM}" ]]; then \
         mkdir -p /model-info/modelinfos; \
         echo "model-info: built for ${TARGETPLATFORM} on ${BUILDPLATFORM} (emulated): no model info cached; vLLM inspects the model classes at first start"; \
     else \
-        PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.model_info_cache fill \
+        PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.build.model_info_cache fill \
             --model /tmp/dsa-image/tiny-glm5 --cache-root /model-info; \
     fi
 
@@ -195,9 +200,12 @@ RUN --mount=type=bind,source=recipes/locks/dev.txt,target=/tmp/dsa-image/dev.loc
 FROM base AS upstream-bundle
 ARG RECIPE
 ARG VLLM_VERSION
-COPY dsa_image/__init__.py dsa_image/atomic.py dsa_image/dist_info.py dsa_image/lock.py dsa_image/manifest.py dsa_image/overlay_fs.py \
-     dsa_image/overlay_core.py dsa_image/recipe.py dsa_image/registry.py dsa_image/site_path.py \
-     dsa_image/upstream_tests.py dsa_image/wheels.py /opt/dsa-image/upstream-tool/dsa_image/
+COPY dsa_image/__init__.py /opt/dsa-image/upstream-tool/dsa_image/
+COPY dsa_image/core/__init__.py dsa_image/core/atomic.py dsa_image/core/dist_info.py dsa_image/core/recipe.py \
+     dsa_image/core/site_path.py dsa_image/core/wheels.py /opt/dsa-image/upstream-tool/dsa_image/core/
+COPY dsa_image/build/__init__.py dsa_image/build/lock.py dsa_image/build/registry.py /opt/dsa-image/upstream-tool/dsa_image/build/
+COPY dsa_image/overlay/__init__.py dsa_image/overlay/manifest.py dsa_image/overlay/fs.py dsa_image/overlay/core.py /opt/dsa-image/upstream-tool/dsa_image/overlay/
+COPY dsa_image/upstream/ /opt/dsa-image/upstream-tool/dsa_image/upstream/
 COPY scripts/upstream_tests.py /opt/dsa-image/upstream-tool/scripts/
 COPY recipes/${RECIPE}.toml /opt/dsa-image/upstream-tool/recipes/
 COPY recipes/locks/upstream-tests.txt /opt/dsa-image/upstream-tool/recipes/locks/
@@ -228,7 +236,7 @@ RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/ups
 # 104 s on `sampling`: docs/validation/h200-2026-12-01-startup-phases), compiled here with the
 # image's nvcc for each capability of CUDA_ARCH_LIST, into the directory a server on that GPU
 # looks in (FLASHINFER_WORKSPACE_BASE=/home/vllm), with a manifest of what, for which arch and
-# sha256 (dsa_image/precompile.py). No GPU needed. From deps, not extras: a recipe edit leaves it
+# sha256 (dsa_image/build/precompile.py). No GPU needed. From deps, not extras: a recipe edit leaves it
 # cached, and FlashInfer's files here are the runtime's (extras adds packages, replaces none;
 # the runtime stage's check proves it). Cross-built under QEMU (the arm64 image on an x86-64
 # host) it compiles nothing and says so: nvcc under QEMU is prohibitively slow
@@ -237,15 +245,16 @@ FROM deps AS precompile
 ARG BUILDPLATFORM
 ARG TARGETPLATFORM
 ARG CUDA_ARCH_LIST
-COPY dsa_image/__init__.py dsa_image/precompile.py dsa_image/arch_check.py dsa_image/dist_info.py \
-     dsa_image/atomic.py dsa_image/wheels.py /tmp/dsa-image/tool/dsa_image/
+COPY dsa_image/__init__.py /tmp/dsa-image/tool/dsa_image/
+COPY dsa_image/build/__init__.py dsa_image/build/precompile.py dsa_image/build/arch_check.py /tmp/dsa-image/tool/dsa_image/build/
+COPY dsa_image/core/__init__.py dsa_image/core/dist_info.py dsa_image/core/atomic.py dsa_image/core/wheels.py /tmp/dsa-image/tool/dsa_image/core/
 RUN [[ -n "${CUDA_ARCH_LIST}" ]] || { echo "CUDA_ARCH_LIST empty: build with 'docker buildx bake'" >&2; exit 1; }; \
     mkdir -p /home/vllm/.cache/flashinfer; cd /tmp; \
     if [[ "${BUILDPLATFORM}" != "${TARGETPLATFORM}" ]]; then \
-        PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.precompile skip --manifest /precompiled/manifest.json \
+        PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.build.precompile skip --manifest /precompiled/manifest.json \
             --reason "built for ${TARGETPLATFORM} on ${BUILDPLATFORM} (emulated): FlashInfer builds its modules at first start"; \
     else \
-        PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.precompile build --cuda-arch "${CUDA_ARCH_LIST}" \
+        PYTHONPATH=/tmp/dsa-image/tool python -B -m dsa_image.build.precompile build --cuda-arch "${CUDA_ARCH_LIST}" \
             --workspace-base /home/vllm --manifest /precompiled/manifest.json; \
     fi
 
@@ -263,9 +272,18 @@ ENV DSA_IMAGE_TOOL=/opt/dsa-image/tool \
     DSA_IMAGE_VLLM=${VLLM_VERSION} \
     DSA_IMAGE_TARGET=${TARGET}
 # Only what apply/verify and the entrypoint need: a change anywhere else in the repository
-# leaves this stage cached.
-COPY dsa_image/ ${DSA_IMAGE_TOOL}/dsa_image/
-COPY scripts/overlay.py scripts/recipe.py ${DSA_IMAGE_TOOL}/scripts/
+# leaves this stage cached. Exactly the modules dsa_image/runtime/ and scripts/overlay.py import,
+# directly or not (tests/test_image_tree.py holds these lines to that import closure): no
+# build, benchmark, smoke or validation code in a user's image.
+COPY dsa_image/__init__.py ${DSA_IMAGE_TOOL}/dsa_image/
+COPY dsa_image/core/__init__.py dsa_image/core/atomic.py dsa_image/core/dist_info.py dsa_image/core/recipe.py \
+     dsa_image/core/wheels.py ${DSA_IMAGE_TOOL}/dsa_image/core/
+COPY dsa_image/build/__init__.py dsa_image/build/bake.py ${DSA_IMAGE_TOOL}/dsa_image/build/
+COPY dsa_image/overlay/ ${DSA_IMAGE_TOOL}/dsa_image/overlay/
+COPY dsa_image/rebase/ ${DSA_IMAGE_TOOL}/dsa_image/rebase/
+COPY dsa_image/runtime/ ${DSA_IMAGE_TOOL}/dsa_image/runtime/
+COPY dsa_image/serving/ ${DSA_IMAGE_TOOL}/dsa_image/serving/
+COPY scripts/overlay.py ${DSA_IMAGE_TOOL}/scripts/
 COPY recipes/${RECIPE}.toml ${DSA_IMAGE_TOOL}/recipes/
 # The serving recipes and their model facts: `docker run IMAGE recipe ...` reads them.
 COPY recipes/serve/ ${DSA_IMAGE_TOOL}/recipes/serve/
@@ -305,6 +323,9 @@ FROM overlay AS test
 COPY --from=test-libs /opt/dsa-image/test-libs/ /opt/dsa-image/test-libs/
 RUN echo /opt/dsa-image/test-libs > "${DSA_IMAGE_SITE_PACKAGES}/zz_dsa_image_test_libs.pth"
 COPY pyproject.toml ${DSA_IMAGE_TOOL}/
+# The tests import more of dsa_image than the runtime ships (the validation's comparison, the
+# model-info check): the whole package, in this stage only.
+COPY dsa_image/ ${DSA_IMAGE_TOOL}/dsa_image/
 COPY tests/ ${DSA_IMAGE_TOOL}/tests/
 COPY --from=model-info /model-info/ /tmp/dsa-image/model-info/
 COPY --from=tiny-model /tiny-glm5 /tmp/dsa-image/tiny-glm5
@@ -323,7 +344,7 @@ WORKDIR ${DSA_IMAGE_TOOL}
 RUN mkdir -p /opt/dsa-image/test-results; \
     python -B scripts/overlay.py verify --site-packages "${DSA_IMAGE_SITE_PACKAGES}" 2>&1 \
         | tee /opt/dsa-image/test-results/verify.txt; \
-    python -B -m dsa_image.model_info_cache check --model /tmp/dsa-image/tiny-glm5 \
+    python -B -m dsa_image.build.model_info_cache check --model /tmp/dsa-image/tiny-glm5 \
         --cache-root /tmp/dsa-image/model-info 2>&1 | tee /opt/dsa-image/test-results/model-info.txt; \
     python -B -m pytest -p no:cacheprovider -m "not docker and not gpu and not wheel" \
         --junitxml=/opt/dsa-image/test-results/junit.xml \
@@ -358,7 +379,7 @@ ARG DEFAULT_MODEL
 ARG PORT
 RUN [[ -n "${DEFAULT_MODEL}" && -n "${PORT}" ]] || { echo "DEFAULT_MODEL/PORT empty: build with 'docker buildx bake'" >&2; exit 1; }; \
     useradd --create-home --home-dir /home/vllm --uid 1000 --user-group --shell /usr/sbin/nologin vllm; \
-    printf '#!/bin/sh\n# The entrypoint by name, for docker exec (serve from a ray-head container).\nexec /usr/bin/env PYTHONPATH=/opt/dsa-image/tool /opt/venv/bin/python -m dsa_image.entrypoint "$@"\n' \
+    printf '#!/bin/sh\n# The entrypoint by name, for docker exec (serve from a ray-head container).\nexec /usr/bin/env PYTHONPATH=/opt/dsa-image/tool /opt/venv/bin/python -m dsa_image.runtime.entrypoint "$@"\n' \
         > /usr/local/bin/dsa-image; \
     chmod 755 /usr/local/bin/dsa-image; \
     install -d -o vllm -g vllm /home/vllm/.cache /home/vllm/.cache/deep_gemm /home/vllm/.cache/triton \
@@ -394,7 +415,10 @@ WORKDIR /home/vllm
 # With this stage's files and environment, as the user that serves: FlashInfer would load each
 # precompiled module as built (its build.ninja unchanged, ninja with no work, the manifest's
 # sha256, SASS for its GPU). A stale one fails the build here instead of recompiling at start.
-RUN PYTHONPATH=/opt/dsa-image/tool python -B -m dsa_image.precompile check --manifest /opt/dsa-image/precompiled.json
+# The check's code is build code, so it is mounted for this step, not shipped.
+RUN --mount=type=bind,source=dsa_image,target=/tmp/dsa-image/check-tool/dsa_image \
+    PYTHONPATH=/tmp/dsa-image/check-tool python -B -m dsa_image.build.precompile check \
+        --manifest /opt/dsa-image/precompiled.json
 EXPOSE ${PORT}
 # Healthy = vLLM's /health answers and the entrypoint's warm-up requests are done (its readiness
 # marker; DSA_IMAGE_WARMUP=0: /health alone): the tiny model's /health took ~3 minutes on an H200,
@@ -402,8 +426,8 @@ EXPOSE ${PORT}
 # command line (--port 9000 included), not from DSA_IMAGE_PORT (the recipe's port, which a
 # user's --port overrides).
 HEALTHCHECK --interval=30s --timeout=10s --start-period=900s --retries=3 \
-    CMD ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.healthcheck"]
-ENTRYPOINT ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.entrypoint"]
+    CMD ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.runtime.healthcheck"]
+ENTRYPOINT ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.runtime.entrypoint"]
 CMD []
 LABEL org.opencontainers.image.title="dsa-image-${TARGET}" \
       org.opencontainers.image.description="vLLM ${VLLM_VERSION} with the GLM-5.x DSA indexer overlay, for CUDA capabilities ${CUDA_ARCH_LIST}" \

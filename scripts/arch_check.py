@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prove, without a GPU, that an image runs on its GPU family (thin CLI over dsa_image.arch_check).
+"""Prove, without a GPU, that an image runs on its GPU family (thin CLI over dsa_image.build.arch_check).
 
   arch_check.py extensions --site-packages DIR --cuda-arch 12.0,12.1
       every vLLM compiled extension that must run on those capabilities carries SASS for
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image import arch_check  # noqa: E402
+from dsa_image.build import arch_check
 
 
 def _capabilities(text: str) -> list[tuple[int, int]]:

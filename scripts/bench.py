@@ -6,7 +6,7 @@
     python3 scripts/bench.py plot RESULTS.json [...] [--out DIR]             PNGs (matplotlib, no GPU)
     python3 scripts/bench.py table RESULTS.json [...]                        markdown rows
 
-The code is dsa_image/bench.py; docs/benchmarks/README.md says how to read the results.
+The code is dsa_image/bench/paired.py; docs/benchmarks/README.md says how to read the results.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image.bench import main  # noqa: E402
+from dsa_image.bench.paired import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write GLM-5 at real width, 4 layers deep (config + tokenizer + README, no weights; serve it
 with `--load-format dummy`), or check that a directory is exactly what this writes: see
-dsa_image/realwidth_model.py.
+dsa_image/build/realwidth_model.py.
 
     python3 scripts/make_realwidth_model.py OUT_DIR
     python3 scripts/make_realwidth_model.py --check DIR
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsa_image.realwidth_model import main  # noqa: E402
+from dsa_image.build.realwidth_model import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

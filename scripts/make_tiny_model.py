@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image.tiny_model import TinyModelError, model_dir_differences, write_model  # noqa: E402
+from dsa_image.build.tiny_model import TinyModelError, model_dir_differences, write_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,8 +81,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image import bake, overlay, rebase  # noqa: E402
-from dsa_image.recipe import DEFAULT_RECIPE, REPO_ROOT, load_recipe  # noqa: E402
+from dsa_image.build import bake
+from dsa_image.overlay import cli as overlay
+from dsa_image.rebase import cli as rebase
+from dsa_image.core.recipe import DEFAULT_RECIPE, REPO_ROOT, load_recipe  # noqa: E402
 
 # The image sets it to the base it was built on: verify there checks that base's overlay.
 IMAGE_VLLM_ENV = "DSA_IMAGE_VLLM"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image import pip_check  # noqa: E402
-from dsa_image.recipe import DEFAULT_RECIPE, RECIPES_DIR, RecipeError, load_recipe  # noqa: E402
+from dsa_image.build import pip_check
+from dsa_image.core.recipe import DEFAULT_RECIPE, RECIPES_DIR, RecipeError, load_recipe  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

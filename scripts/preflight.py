@@ -24,8 +24,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from dsa_image import image_build  # noqa: E402
-from dsa_image.recipe import load_recipe  # noqa: E402
+from dsa_image.build import image_build
+from dsa_image.core.recipe import load_recipe  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

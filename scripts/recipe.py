@@ -42,10 +42,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image import bake, lock, wheels, workarounds  # noqa: E402
-from dsa_image.manifest import ManifestError  # noqa: E402
-from dsa_image.recipe import DEFAULT_RECIPE, REPO_ROOT, RecipeError, format_value, load_recipe  # noqa: E402
-from dsa_image.registry import RegistryError  # noqa: E402
+from dsa_image.build import bake, bug_check, lock
+from dsa_image.core import wheels
+from dsa_image.overlay.manifest import ManifestError  # noqa: E402
+from dsa_image.core.recipe import DEFAULT_RECIPE, REPO_ROOT, RecipeError, format_value, load_recipe  # noqa: E402
+from dsa_image.build.registry import RegistryError  # noqa: E402
 
 OK, DRIFT, BAD_INPUT, LOCK_FAILED = 0, 1, 2, 3
 
@@ -79,7 +80,7 @@ def cmd_check(args) -> int:
     problems += lock.lock_problems(recipe)
     if args.online:
         problems += lock.online_problems(recipe)
-    problems += workarounds.check(recipe, online=args.online)
+    problems += bug_check.check(recipe, online=args.online)
     for problem in problems:
         say(problem)
     if not problems:

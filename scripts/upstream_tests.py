@@ -45,10 +45,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image import lock, upstream_tests as ut, wheels  # noqa: E402
-from dsa_image.manifest import ManifestError, load_manifest  # noqa: E402
-from dsa_image.overlay_core import manifest_path  # noqa: E402
-from dsa_image.recipe import DEFAULT_RECIPE, REPO_ROOT, RecipeError, load_recipe  # noqa: E402
+from dsa_image.build import lock
+from dsa_image.upstream import gate as ut
+from dsa_image.core import wheels
+from dsa_image.overlay.manifest import ManifestError, load_manifest  # noqa: E402
+from dsa_image.overlay.core import manifest_path  # noqa: E402
+from dsa_image.core.recipe import DEFAULT_RECIPE, REPO_ROOT, RecipeError, load_recipe  # noqa: E402
 
 OK, REGRESSIONS, BAD_INPUT, INCOMPLETE, FETCH_FAILED = 0, 1, 2, 3, 4
 

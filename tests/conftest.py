@@ -21,8 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from dsa_image import image_build  # noqa: E402
-from dsa_image.recipe import load_recipe  # noqa: E402
+from dsa_image.build import image_build
+from dsa_image.core.recipe import load_recipe  # noqa: E402
 
 
 def _require_docker() -> bool:

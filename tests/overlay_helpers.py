@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import overlay
-from dsa_image.manifest import Manifest, manifest_bytes, record_entry
-from dsa_image.recipe import load_recipe
+from dsa_image.overlay import cli as overlay
+from dsa_image.overlay.manifest import Manifest, manifest_bytes, record_entry
+from dsa_image.core.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "scripts" / "overlay.py"

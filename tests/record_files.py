@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dsa_image import records
+from dsa_image.records import store as records
 
 REPO = Path(__file__).resolve().parent.parent
 VALIDATION = REPO / "docs" / "validation"

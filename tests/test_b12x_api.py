@@ -2,7 +2,7 @@
 recipe pins (b12x 0.30.2 for vLLM 0.24.0, 1.5.1 for 0.33.0).
 
 b12x kernels need an sm_120/sm_121 GPU, so the API is checked statically
-(dsa_image.b12x_api) against the real wheel, fetched by the hash the sm120 lock records.
+(dsa_image.build.b12x_api) against the real wheel, fetched by the hash the sm120 lock records.
 """
 
 import zipfile
@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import b12x_api, lock, overlay, wheels
-from dsa_image.recipe import Recipe, load_every_base
+from dsa_image.build import b12x_api, lock
+from dsa_image.overlay import cli as overlay
+from dsa_image.core import wheels
+from dsa_image.core.recipe import Recipe, load_every_base
 
 BASES = {recipe.vllm_version: recipe for recipe in load_every_base()}
 # Per base: the b12x package whose indexer functions its overlay calls, the module it imports

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsa_image import overlay
+from dsa_image.overlay import cli as overlay
 from dsa_image.validation import b12x_release
 
 pytest.importorskip("numpy")
@@ -35,7 +35,7 @@ def cases(vllm: str) -> dict[str, b12x_glue.GlueCase]:
 
 
 def test_the_glue_has_a_base_for_every_recipe_base():
-    from dsa_image.recipe import load_every_base
+    from dsa_image.core.recipe import load_every_base
 
     assert set(b12x_glue.BASES) == {r.vllm_version for r in load_every_base()}
 

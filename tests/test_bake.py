@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import image_build
-from dsa_image.bake import bake_variables
-from dsa_image.overlay import predicted_receipt_sha256
-from dsa_image.recipe import load_every_base, load_recipe
+from dsa_image.build import image_build
+from dsa_image.build.bake import bake_variables
+from dsa_image.overlay.cli import predicted_receipt_sha256
+from dsa_image.core.recipe import load_every_base, load_recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()

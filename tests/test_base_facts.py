@@ -10,8 +10,9 @@ import re
 
 import pytest
 
-from dsa_image import overlay, wheels
-from dsa_image.recipe import load_every_base
+from dsa_image.overlay import cli as overlay
+from dsa_image.core import wheels
+from dsa_image.core.recipe import load_every_base
 
 pytestmark = pytest.mark.wheel
 

@@ -1,4 +1,4 @@
-"""The paired benchmark (dsa_image/bench.py) and the serving modes' pure parts, on the CPU:
+"""The paired benchmark (dsa_image/bench/paired.py) and the serving modes' pure parts, on the CPU:
 the bootstrap interval, the alternating schedule, the ratio direction, the results schema, the
 streaming client and whole runs against a fake OpenAI-compatible vLLM.
 
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import bench, spec_decode_metrics
+from dsa_image.bench import paired as bench
+from dsa_image.runtime import spec_decode_metrics
 from dsa_image.validation import serving_modes
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -372,7 +373,7 @@ def free_ports(count: int) -> int:
 
 @pytest.fixture
 def tiny_model(tmp_path) -> Path:
-    from dsa_image.tiny_model import write_model
+    from dsa_image.build.tiny_model import write_model
 
     write_model(tmp_path / "tiny-glm5")
     return tmp_path / "tiny-glm5"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import bench
+from dsa_image.bench import paired as bench
 from dsa_image.validation import warmstart
 from record_files import BENCHMARKS, VALIDATION, unpacked
 

@@ -120,7 +120,7 @@ def _ci_texts() -> dict[str, str]:
     """What says what CI builds: .ci/run, the arm64 step's docstring, docs/image.md's CI parts."""
     image_md = (REPO / "docs" / "image.md").read_text()
     return {".ci/run": (REPO / ".ci" / "run").read_text(),
-            "dsa_image/arm64_build.py": (REPO / "dsa_image" / "arm64_build.py").read_text().split('"""')[1],
+            "dsa_image/build/arm64_build.py": (REPO / "dsa_image" / "build" / "arm64_build.py").read_text().split('"""')[1],
             "docs/image.md, In CI": image_md.split("### In CI\n", 1)[1].split("\n## ", 1)[0],
             "docs/image.md, CI": image_md.split("## CI: `.ci/run`\n", 1)[1].split("\n## ", 1)[0]}
 
@@ -129,7 +129,7 @@ def test_ci_and_its_docs_name_the_targets_ci_builds():
     """CI builds the default base under the plain names (`test`, `sm120`) and every other base's
     `test` target under its own name: a base-suffixed name in what describes CI is another
     base's, and the other bases' test targets are the ones named."""
-    from dsa_image.recipe import load_every_base
+    from dsa_image.core.recipe import load_every_base
     others = [base for base in load_every_base() if base.vllm_version != base.default_vllm]
     suffixes = {f"vllm{base.vllm_version.replace('.', '_')}" for base in others}
     for where, text in _ci_texts().items():
@@ -186,14 +186,14 @@ else:
 
 
 def _load_build_arm64():
-    from dsa_image import arm64_build
+    from dsa_image.build import arm64_build
     return arm64_build
 
 
 @pytest.fixture
 def fake_docker(tmp_path, monkeypatch):
     """build_arm64 with a fake docker first on PATH; returns (module, read_calls)."""
-    from dsa_image.recipe import load_recipe
+    from dsa_image.core.recipe import load_recipe
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "docker").write_text(FAKE_DOCKER)
@@ -222,7 +222,7 @@ def _arm64_run(call: dict) -> bool:
 
 def test_the_arm64_step_bakes_sm120_for_arm64_and_checks_it_in_that_image(fake_docker, tmp_path, capsys):
     module, read_calls = fake_docker
-    from dsa_image.recipe import load_recipe
+    from dsa_image.core.recipe import load_recipe
     code = module.main(["--base-image", "dsa-image-base:bookworm-arm64", "--log-dir", str(tmp_path / "logs")])
     err = capsys.readouterr().err
     assert code == 0, err
@@ -276,7 +276,7 @@ def test_emulated_every_check_sees_a_cpu_directory_with_midr_el1(fake_docker, tm
 
 
 def test_the_emulated_cpu_directory_lists_every_cpu(tmp_path):
-    from dsa_image import arm64_build
+    from dsa_image.build import arm64_build
     cpu = arm64_build.write_cpu_sysfs(tmp_path / "cpu", 3)
     assert (cpu / "online").read_text() == "0-2\n" == (cpu / "possible").read_text()
     assert sorted(p.name for p in cpu.glob("cpu*")) == ["cpu0", "cpu1", "cpu2"]
@@ -287,7 +287,7 @@ def test_the_emulated_cpu_directory_lists_every_cpu(tmp_path):
 def test_another_base_bakes_its_own_target_and_is_checked_against_its_own_receipt(fake_docker, tmp_path, monkeypatch,
                                                                                   capsys):
     module, read_calls = fake_docker
-    from dsa_image.recipe import load_every_base
+    from dsa_image.core.recipe import load_every_base
     other = next(b for b in load_every_base() if b.vllm_version != b.default_vllm)
     bake_json = json.loads((REPO / "docker-bake.json").read_text())
     monkeypatch.setenv("FAKE_RECEIPT", bake_json["variable"]["VLLM"]["default"][other.vllm_version]["RECEIPT_SHA256"])

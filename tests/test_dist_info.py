@@ -1,12 +1,12 @@
 """The installed vLLM's version, read from the one vllm-*.dist-info in a site-packages
-directory (dsa_image.dist_info): what overlay, arch_check, the self-test and the validation
+directory (dsa_image.core.dist_info): what overlay, arch_check, the self-test and the validation
 harnesses all read."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsa_image.dist_info import DistInfoError, installed_vllm_version
+from dsa_image.core.dist_info import DistInfoError, installed_vllm_version
 
 
 def add_dist_info(site, directory: str, metadata: str) -> None:

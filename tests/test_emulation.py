@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import b12x_api, overlay
-from dsa_image.recipe import load_every_base
+from dsa_image.build import b12x_api
+from dsa_image.overlay import cli as overlay
+from dsa_image.core.recipe import load_every_base
 from dsa_image.validation import b12x_release
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def overlay_source(vllm: str) -> str:
 
 
 def pinned_wheel(vllm: str) -> Path:
-    from dsa_image import wheels
+    from dsa_image.core import wheels
     from tests.test_b12x_api import BASES, pinned_b12x
 
     return wheels.ensure_wheel(*pinned_b12x(BASES[vllm]))
@@ -85,8 +86,8 @@ def in_build_context(path: str, rules) -> bool:
     ("emulation/b12x/attention/indexer.py", False),
     ("emulation/sitecustomize.py", False),
     ("emulation/b12x_emulation.py", False),
-    ("dsa_image/indexer_reference.py", True),
-    ("dsa_image/selftest.py", True),
+    ("dsa_image/runtime/indexer_reference.py", True),
+    ("dsa_image/runtime/selftest.py", True),
     ("dsa_image/__pycache__/selftest.cpython-311.pyc", False),
     ("tests/test_emulation.py", True),
     ("Dockerfile", True),
@@ -273,7 +274,7 @@ def core():
 def prefill(rows=40, keys=1500, heads=4, seed=0):
     import torch
 
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     g = torch.Generator().manual_seed(seed)
     ks = torch.randint(0, min(300, keys - 1), (rows,), generator=g, dtype=torch.int32)
@@ -283,7 +284,7 @@ def prefill(rows=40, keys=1500, heads=4, seed=0):
 
 
 def reference_topk(inputs, topk):
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     logits = ref.relu_weighted_logits(inputs["q_fp8"], inputs["weights"], *inputs["kv_fp8"])
     return ref.topk_positions(ref.masked_logits(logits, inputs["ks"], inputs["ke"]), topk)
@@ -397,7 +398,7 @@ def test_tiled_topk_refuses_what_b12x_would_not_run_in_its_kernels(emulated, mon
 def paged(rows=3, columns=6, heads=4, seed=0):
     import torch
 
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     g = torch.Generator().manual_seed(seed)
     cache = ref.random_cache(rows * columns, 64, g)
@@ -416,7 +417,7 @@ def call_paged(emulated, inputs, **kwargs):
 def test_paged_logits_are_the_reference_through_each_rows_table(emulated):
     import torch
 
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     inputs = paged()
     got = call_paged(emulated, inputs)
@@ -510,7 +511,7 @@ def test_a_stale_schedule_is_refused(emulated):
 def test_the_emulation_agrees_with_b12xs_own_references(emulated):
     import torch
 
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     release = core().RELEASE
     vllm = next(v for v, version in BASE_RELEASES.items() if version == release.version)
@@ -671,7 +672,7 @@ def causal_prefill(rows=8, keys=900):
 def test_a_near_tie_swap_is_explained_and_a_wrong_choice_is_not():
     torch = pytest.importorskip("torch")
 
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
     from dsa_image.validation import b12x_serving
 
     inputs = causal_prefill()

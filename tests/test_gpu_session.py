@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import bench
-from dsa_image.recipe import load_recipe
+from dsa_image.bench import paired as bench
+from dsa_image.core.recipe import load_recipe
 from dsa_image.validation import phases, runner, session, stage
 from test_h200_stage import wheel
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import lock
-from dsa_image.lock import Pin
-from dsa_image.recipe import load_recipe
+from dsa_image.build import lock
+from dsa_image.build.lock import Pin
+from dsa_image.core.recipe import load_recipe
 from dsa_image.validation import stage, torch_libs
 
 REPO = Path(__file__).resolve().parent.parent

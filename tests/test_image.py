@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import image_build, upstream_tests
-from dsa_image.overlay import manifest_path, predicted_receipt_sha256
-from dsa_image.recipe import load_every_base, load_recipe
+from dsa_image.build import image_build
+from dsa_image.upstream import gate as upstream_tests
+from dsa_image.overlay.cli import manifest_path, predicted_receipt_sha256
+from dsa_image.core.recipe import load_every_base, load_recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()
@@ -171,8 +172,8 @@ def test_runtime_config_user_health_entrypoint_and_cuda_environment(docker_clien
     config = docker_client.api.inspect_image(runtime_image)["Config"]
     env = dict(item.split("=", 1) for item in config["Env"])
     assert config["User"] == "vllm"
-    assert config["Healthcheck"]["Test"][0] == "CMD" and config["Healthcheck"]["Test"][-2:] == ["-m", "dsa_image.healthcheck"]
-    assert config["Entrypoint"][-2:] == ["-m", "dsa_image.entrypoint"]
+    assert config["Healthcheck"]["Test"][0] == "CMD" and config["Healthcheck"]["Test"][-2:] == ["-m", "dsa_image.runtime.healthcheck"]
+    assert config["Entrypoint"][-2:] == ["-m", "dsa_image.runtime.entrypoint"]
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
     assert env["CUDA_HOME"].endswith("/site-packages/nvidia/cu13")
     assert env["DG_JIT_CACHE_DIR"].startswith("/home/vllm/")
@@ -281,7 +282,7 @@ def test_healthcheck_follows_the_port_served(docker_client, runtime_image):
 
 
 def test_built_in_model_is_exactly_what_the_generator_writes(docker_client, runtime_image):
-    check = ("from pathlib import Path; from dsa_image.tiny_model import model_dir_differences; "
+    check = ("from pathlib import Path; from dsa_image.build.tiny_model import model_dir_differences; "
              f"d = model_dir_differences(Path({RECIPE.serving['default_model']!r})); print(d or 'identical')")
     code, out = _run(docker_client, runtime_image, "-c", check,
                      entrypoint="/usr/bin/env PYTHONPATH=/opt/dsa-image/tool /opt/venv/bin/python")

@@ -1,4 +1,4 @@
-"""dsa_image.arch_check: which device code runs where, and the build-time checks.
+"""dsa_image.build.arch_check: which device code runs where, and the build-time checks.
 
 The last tests use the real toolchain and the real vLLM extensions; they run inside the
 image's `test` stage (pip's CUDA toolkit + Triton's cuobjdump present) and skip elsewhere.
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsa_image import arch_check
-from dsa_image.arch_check import ArchCheckError, Code
+from dsa_image.build import arch_check
+from dsa_image.build.arch_check import ArchCheckError, Code
 
 
 def test_sass_runs_on_its_major_from_its_minor_on():
@@ -75,7 +75,7 @@ def test_family_extensions_are_required_only_on_their_family():
 
 
 def test_every_base_of_the_recipe_has_an_extension_table():
-    from dsa_image.recipe import load_recipe
+    from dsa_image.core.recipe import load_recipe
 
     assert set(load_recipe().vllm_versions) <= set(arch_check.EXTENSION_TABLES)
 
@@ -249,7 +249,7 @@ def test_real_nvcc_builds_sass_for_every_recipe_capability():
 
 
 def test_real_extensions_pass_for_the_recipe_and_fail_for_a_gpu_they_do_not_support():
-    from dsa_image.recipe import load_recipe
+    from dsa_image.core.recipe import load_recipe
 
     _, cuobjdump = _real_tools()
     site = _installed_site_packages()

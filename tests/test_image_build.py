@@ -1,4 +1,4 @@
-"""dsa_image.image_build without building: the in-image results, the local export, failure
+"""dsa_image.build.image_build without building: the in-image results, the local export, failure
 hints, and the preflight that says what this host needs (`scripts/preflight.py`)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import image_build
-from dsa_image.image_build import BuildError, HostFacts
-from dsa_image.recipe import load_recipe
+from dsa_image.build import image_build
+from dsa_image.build.image_build import BuildError, HostFacts
+from dsa_image.core.recipe import load_recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()

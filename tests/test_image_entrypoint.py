@@ -1,4 +1,4 @@
-"""dsa_image.entrypoint: what the container runs for each kind of `docker run` arguments.
+"""dsa_image.runtime.entrypoint: what the container runs for each kind of `docker run` arguments.
 
 Expected values come from the recipe (load_recipe), never typed here."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import entrypoint, warmup
-from dsa_image.entrypoint import EntrypointError
-from dsa_image.recipe import REPO_ROOT, load_recipe
+from dsa_image.runtime import entrypoint, warmup
+from dsa_image.runtime.entrypoint import EntrypointError
+from dsa_image.core.recipe import REPO_ROOT, load_recipe
 
 RECIPE = load_recipe()
 SM120 = RECIPE.target("sm120")
@@ -150,7 +150,7 @@ def test_a_model_id_or_path_that_looks_like_a_mode_is_served(tmp_path, monkeypat
 
 def test_serve_runs_vllm_under_the_warmup_supervisor_from_the_images_tool():
     plan = entrypoint.plan(["some/model"], ENVIRON)
-    assert plan.argv[:2] == [sys.executable, "-c"] and "from dsa_image.warmup import main" in plan.argv[2]
+    assert plan.argv[:2] == [sys.executable, "-c"] and "from dsa_image.runtime.warmup import main" in plan.argv[2]
     assert plan.argv[3:6] == [ENVIRON["DSA_IMAGE_TOOL"], "supervise", "--"]
     assert _server(plan.argv)[:3] == ["vllm", "serve", "some/model"]
     assert plan.gpu_for == entrypoint.SERVE_NEEDS_GPU and plan.env == SM120.env
@@ -158,7 +158,7 @@ def test_serve_runs_vllm_under_the_warmup_supervisor_from_the_images_tool():
 
 
 def test_the_supervisor_command_imports_the_warmup_from_the_tool_path_without_pythonpath():
-    """The command the entrypoint execs (PYTHONPATH dropped) reaches dsa_image.warmup's CLI: its
+    """The command the entrypoint execs (PYTHONPATH dropped) reaches dsa_image.runtime.warmup's CLI: its
     `check` of this process, which no supervisor started, answers ready."""
     prefix = entrypoint.plan(["some/model"], ENVIRON).argv[:4]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", warmup.MARKER_ENV)}

@@ -1,4 +1,4 @@
-"""dsa_image.healthcheck: the HEALTHCHECK probes the port and host `vllm serve` was given.
+"""dsa_image.runtime.healthcheck: the HEALTHCHECK probes the port and host `vllm serve` was given.
 
 Runs on the host and in the image's `test` stage (stdlib, a real /proc, real sockets)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import healthcheck, warmup
-from dsa_image.serve_command import VLLM_DEFAULT_PORT, Endpoint
+from dsa_image.runtime import healthcheck, warmup
+from dsa_image.runtime.serve_command import VLLM_DEFAULT_PORT, Endpoint
 
 # The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,12 +30,12 @@ VLLM = ["/opt/venv/bin/python", "/opt/venv/bin/vllm", "serve"]
     (["/usr/bin/python3", "-m", "vllm.entrypoints.cli.main", "serve", "m"], ["m"]),
     (["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "1"], ["--model", "m", "--port", "1"]),
     # the entrypoint before it execs, and other processes: not vLLM's server
-    (["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.entrypoint", "serve"], None),
+    (["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.runtime.entrypoint", "serve"], None),
     # the warm-up supervisor carries vLLM's argv, but its child is the server
-    (["/opt/venv/bin/python", "-m", "dsa_image.warmup", "supervise", "--", "vllm", "serve", "m"], None),
-    (["/opt/venv/bin/python", "-c", "import sys; from dsa_image.warmup import main", "/opt/dsa-image/tool",
+    (["/opt/venv/bin/python", "-m", "dsa_image.runtime.warmup", "supervise", "--", "vllm", "serve", "m"], None),
+    (["/opt/venv/bin/python", "-c", "import sys; from dsa_image.runtime.warmup import main", "/opt/dsa-image/tool",
       "supervise", "--", "vllm", "serve", "m"], None),
-    (["python", "-m", "dsa_image.warmup", "supervise", "--", "python", "-m", "vllm.entrypoints.openai.api_server"], None),
+    (["python", "-m", "dsa_image.runtime.warmup", "supervise", "--", "python", "-m", "vllm.entrypoints.openai.api_server"], None),
     (["/opt/venv/bin/python", "/opt/venv/bin/vllm", "bench", "serve"], None),
     (["sleep", "infinity"], None),
     ([], None),
@@ -69,7 +69,7 @@ def test_endpoint_follows_the_command_line(args, endpoint):
 ])
 def test_the_warmup_and_the_healthcheck_read_one_command_line_alike(args):
     """Issue #24's review: two parsers read a trailing --port differently (the warm-up took it as
-    none, the healthcheck as the earlier one). Both now call dsa_image.serve_command."""
+    none, the healthcheck as the earlier one). Both now call dsa_image.runtime.serve_command."""
     assert warmup.serve_endpoint(["vllm", "serve", *args], {}) == healthcheck.endpoint_of(args)
 
 
@@ -100,7 +100,7 @@ def test_find_server_prefers_pid_1_and_finds_vllm_under_an_init(tmp_path):
 
 
 def test_find_server_passes_over_the_warmup_supervisor_to_its_child(tmp_path):
-    supervisor = ["/opt/venv/bin/python", "-m", "dsa_image.warmup", "supervise", "--", "vllm", "serve", "m", "--port", "1"]
+    supervisor = ["/opt/venv/bin/python", "-m", "dsa_image.runtime.warmup", "supervise", "--", "vllm", "serve", "m", "--port", "1"]
     proc = _fake_proc(tmp_path, {1: supervisor, 12: [*VLLM, "m", "--port", "1"]})
     assert healthcheck.find_server(proc) == (12, ["m", "--port", "1"])
 
@@ -163,7 +163,7 @@ def test_main_probes_the_port_vllm_was_given_not_the_default(server, tmp_path, c
 
 def _supervised(tmp_path: Path, port: int, marker: Path) -> Path:
     """The image's serve: the supervisor as PID 1, vLLM its child with the marker's path."""
-    supervisor = ["/opt/venv/bin/python", "-c", "from dsa_image.warmup import main", "/opt/dsa-image/tool",
+    supervisor = ["/opt/venv/bin/python", "-c", "from dsa_image.runtime.warmup import main", "/opt/dsa-image/tool",
                   "supervise", "--", "vllm", "serve", "m", "--port", str(port)]
     return _fake_proc(tmp_path / "proc", {1: supervisor, 9: [*VLLM, "m", "--port", str(port)]},
                       {9: {"PATH": "/bin", warmup.MARKER_ENV: str(marker)}})

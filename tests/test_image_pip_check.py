@@ -1,9 +1,9 @@
-"""dsa_image.pip_check: only the recipe's recorded override passes."""
+"""dsa_image.build.pip_check: only the recipe's recorded override passes."""
 
 from __future__ import annotations
 
-from dsa_image import pip_check
-from dsa_image.recipe import load_every_base
+from dsa_image.build import pip_check
+from dsa_image.core.recipe import load_every_base
 
 # A base whose sm120 extras override a requirement (vLLM 0.24.0: b12x's torch floor).
 RECIPE = next(r for r in load_every_base() if any(e.overrides for e in r.target("sm120").extras))

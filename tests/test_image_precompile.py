@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import precompile
+from dsa_image.build import precompile
 
 MANIFEST = Path("/opt/dsa-image/precompiled.json")
 pytestmark = pytest.mark.skipif(

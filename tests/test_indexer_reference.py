@@ -1,4 +1,4 @@
-"""The indexer math reference (dsa_image/indexer_reference.py) on the CPU.
+"""The indexer math reference (dsa_image/runtime/indexer_reference.py) on the CPU.
 
 Needs torch: runs in the image's test stage and wherever torch is installed; skips elsewhere."""
 
@@ -9,7 +9,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from dsa_image import indexer_reference as ref  # noqa: E402
+from dsa_image.runtime import indexer_reference as ref
 
 
 def gen(seed=0):

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import lock, wheels
-from dsa_image.lock import parse_lock
-from dsa_image.recipe import load_recipe, set_sdist_sha256, set_wheel_sha256
+from dsa_image.build import lock
+from dsa_image.core import wheels
+from dsa_image.build.lock import parse_lock
+from dsa_image.core.recipe import load_recipe, set_sdist_sha256, set_wheel_sha256
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()

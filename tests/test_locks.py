@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import bake, lock
-from dsa_image.lock import Pin, parse_lock
-from dsa_image.recipe import ARCH_OF_PLATFORM, load_every_base, load_recipe
+from dsa_image.build import bake, lock
+from dsa_image.build.lock import Pin, parse_lock
+from dsa_image.core.recipe import ARCH_OF_PLATFORM, load_every_base, load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import memory_plan, overlay, realwidth_model, tiny_model, wheels
-from dsa_image.recipe import load_every_base
-from dsa_image.serving_recipes import load_model
+from dsa_image.serving import memory_plan
+from dsa_image.overlay import cli as overlay
+from dsa_image.build import realwidth_model, tiny_model
+from dsa_image.core import wheels
+from dsa_image.core.recipe import load_every_base
+from dsa_image.serving.launch import load_model
 from dsa_image.validation import memory_check
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -1,4 +1,4 @@
-"""The build-time model-info cache (dsa_image/model_info_cache.py) and its wiring in the image.
+"""The build-time model-info cache (dsa_image/build/model_info_cache.py) and its wiring in the image.
 
 The real vLLM runs it in the image build: `fill` in the model-info stage, `check` in the test
 stage against the overlaid site (Dockerfile). Here: its refusals, its use of vLLM's lookup
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import model_info_cache as mic
+from dsa_image.build import model_info_cache as mic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bench import add_fake_model_registry  # noqa: E402
@@ -69,7 +69,7 @@ def test_time_reports_seconds_per_architecture_and_fills_a_missing_entry(fake_vl
 
 def test_the_architectures_are_the_models_and_the_drafter_vllm_maps_it_to(fake_vllm, tmp_path):
     pytest.importorskip("transformers")
-    from dsa_image.tiny_model import write_model
+    from dsa_image.build.tiny_model import write_model
 
     write_model(tmp_path / "model")
     assert mic.architectures(tmp_path / "model") == ARCHS
@@ -118,11 +118,11 @@ def _stage(dockerfile: str, header: str) -> str:
 def test_the_model_info_stage_copies_every_module_of_ours_the_tool_imports():
     import ast
 
-    tree = ast.parse((REPO / "dsa_image" / "model_info_cache.py").read_text())
+    tree = ast.parse((REPO / "dsa_image" / "build" / "model_info_cache.py").read_text())
     ours = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
             and node.module.startswith("dsa_image.")}
-    copied = re.search(r"COPY (dsa_image/\S+ )+/tmp/dsa-image/tool/dsa_image/",
-                       _stage((REPO / "Dockerfile").read_text(), "FROM extras AS model-info")).group(0)
+    copied = " ".join(re.findall(r"^COPY dsa_image/.*$", _stage((REPO / "Dockerfile").read_text(),
+                                                               "FROM extras AS model-info"), re.M))
     assert ours and all(f"{module.replace('.', '/')}.py" in copied for module in ours), (ours, copied)
 
 

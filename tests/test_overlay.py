@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import overlay, wheels
-from dsa_image.manifest import Entry, ManifestError, manifest_bytes, parse_manifest, record_entry
-from dsa_image.wheels import sha256_bytes
+from dsa_image.overlay import cli as overlay
+from dsa_image.core import wheels
+from dsa_image.overlay.manifest import Entry, ManifestError, manifest_bytes, parse_manifest, record_entry
+from dsa_image.core.wheels import sha256_bytes
 
 from overlay_helpers import OVERLAY, RECIPE, REPO, UPSTREAM, VERSION, Tree, expect_error, run_cli, snapshot, write_tree
 
@@ -170,7 +171,7 @@ def test_copy_failing_midway_restores_every_file(tree, monkeypatch):
     pyc.parent.mkdir()
     pyc.write_bytes(b"pre-existing bytecode")
     before = snapshot(tree.site)
-    from dsa_image import overlay_fs
+    from dsa_image.overlay import fs as overlay_fs
 
     real_write = overlay_fs.write_new
     calls = []
@@ -502,7 +503,7 @@ def test_drift_and_verify_messages_show_full_sha256(on_path):
 
 
 def test_a_huge_integer_in_changes_toml_is_a_manifest_error(tmp_path):
-    from dsa_image.manifest import load_changes
+    from dsa_image.overlay.manifest import load_changes
 
     changes = tmp_path / "changes.toml"
     changes.write_text("[changes.a]\ntitle = " + "1" * 5000 + "\n")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import overlay
+from dsa_image.overlay import cli as overlay
 
 from overlay_helpers import OVERLAY, SOURCES, TOOL, Tree, run_cli, snapshot
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import overlay
+from dsa_image.overlay import cli as overlay
 
 from overlay_helpers import (OVERLAY, SOURCES, UPSTREAM, VERSION, Tree, expect_error, run_cli, snapshot,
                              syscall_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import overlay
+from dsa_image.overlay import cli as overlay
 
 from overlay_helpers import (OVERLAY, SOURCES, UPSTREAM, Tree, expect_error, fill_bytes, fill_inodes, need_root,
                              run_cli, snapshot, syscall_path, tmpfs)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import overlay
+from dsa_image.overlay import cli as overlay
 
 from overlay_helpers import TOOL, UPSTREAM, Tree, need_root, run_cli, snapshot
 

@@ -1,5 +1,5 @@
 """Each base's overlay against its real pinned vLLM wheel (downloaded once into the cache
-through dsa_image.wheels, so this works from a clean clone)."""
+through dsa_image.core.wheels, so this works from a clean clone)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import overlay, wheels
-from dsa_image.manifest import load_manifest, manifest_bytes
-from dsa_image.recipe import Recipe, load_every_base
+from dsa_image.overlay import cli as overlay
+from dsa_image.core import wheels
+from dsa_image.overlay.manifest import load_manifest, manifest_bytes
+from dsa_image.core.recipe import Recipe, load_every_base
 
 pytestmark = pytest.mark.wheel
 

@@ -1,4 +1,4 @@
-"""dsa_image.precompile on the CPU, without FlashInfer: the driver link stub (real gcc, nm,
+"""dsa_image.build.precompile on the CPU, without FlashInfer: the driver link stub (real gcc, nm,
 readelf), the build file FlashInfer 0.7.2.post1 wrote for `sampling` (tests/data, real output),
 manifests that ship nothing or cannot be used, and the command's refusals. The check against
 real artefacts runs in the image (tests/test_image_precompile.py)."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import arch_check, precompile
+from dsa_image.build import arch_check, precompile
 
 DATA = Path(__file__).parent / "data"
 TOOLS = all(shutil.which(t) for t in ("gcc", "c++", "nm", "readelf"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.recipe import load_recipe
+from dsa_image.core.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -70,7 +70,7 @@ def test_docs_say_how_to_get_docker_and_buildx_and_the_hints_point_there():
     assert "getting-docker-and-buildx" in anchors(image_md)
     section = image_md.split("## Getting Docker and buildx", 1)[1].split("\n## ", 1)[0]
     assert "scripts/install_docker.sh" in section and "docker buildx version" in section
-    from dsa_image import image_build
+    from dsa_image.build import image_build
     for link in (image_build.DOCKER_DOCS, image_build.HOST_DOCS):
         path, anchor = link.split("#")
         assert anchor in anchors((REPO / path).read_text()), link
@@ -128,14 +128,15 @@ def _b12x_items() -> list[str]:
 
 
 def _b12x_module(version: str) -> tuple[str, dict]:
-    from dsa_image import b12x_api, overlay
+    from dsa_image.build import b12x_api
+    from dsa_image.overlay import cli as overlay
     source = (overlay.overlay_dir(version) / b12x_api.OVERLAY_MODULE).read_text()
     return source, b12x_api.module_constants(source)
 
 
 def _base_facts(base) -> tuple[set[str], set[str]]:
     """(variables its overlay names, versions and release lines of its image)."""
-    from dsa_image import overlay
+    from dsa_image.overlay import cli as overlay
     sources = "".join(path.read_text() for path in sorted(overlay.overlay_dir(base.vllm_version).rglob("*.py")))
     _, constants = _b12x_module(base.vllm_version)
     releases = constants.get("SUPPORTED_RELEASES") or (constants["SUPPORTED_RELEASE"],)
@@ -146,7 +147,7 @@ def _base_facts(base) -> tuple[set[str], set[str]]:
 def _items_by_base() -> dict[str, list[str]]:
     """Each item under the base it speaks of: another base's when it names that base's vLLM
     version or bake suffix (both bases' when it names the default's too), else the default's."""
-    from dsa_image.recipe import load_every_base
+    from dsa_image.core.recipe import load_every_base
     default = load_recipe().vllm_version
     by_base: dict[str, list[str]] = {base.vllm_version: [] for base in load_every_base()}
     for item in _b12x_items():
@@ -157,7 +158,7 @@ def _items_by_base() -> dict[str, list[str]]:
 
 
 def test_every_variable_and_version_the_b12x_section_names_is_its_images_own():
-    from dsa_image.recipe import load_every_base
+    from dsa_image.core.recipe import load_every_base
     bases = {base.vllm_version: base for base in load_every_base()}
     by_base = _items_by_base()
     wrong = []
@@ -212,7 +213,7 @@ def test_the_b12x_section_names_the_default_images_variables_and_defaults():
 
 @pytest.mark.wheel
 def test_the_logits_budget_the_b12x_section_names_is_the_pinned_vllms_default():
-    from dsa_image import wheels
+    from dsa_image.core import wheels
     recipe = load_recipe()
     wheel = recipe.wheel("amd64")
     envs = wheels.read_member(wheels.ensure_wheel(wheel.filename, wheel.sha256), "vllm/envs.py").decode()

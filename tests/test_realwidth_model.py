@@ -1,4 +1,4 @@
-"""GLM-5 at real width, 4 layers deep (dsa_image/realwidth_model.py): the config is GLM-5's model
+"""GLM-5 at real width, 4 layers deep (dsa_image/build/realwidth_model.py): the config is GLM-5's model
 facts with the depth the one change, the tokenizer has exactly vocab_size tokens, and every file
 is the same on every run."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import memory_plan, realwidth_model, tiny_model
+from dsa_image.serving import memory_plan
+from dsa_image.build import realwidth_model, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "make_realwidth_model.py"

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import overlay, rebase, wheels
-from dsa_image.manifest import (Change, Entry, Manifest, ManifestError, Signature, check_changes, fold_changes,
+from dsa_image.overlay import cli as overlay
+from dsa_image.rebase import cli as rebase
+from dsa_image.core import wheels
+from dsa_image.overlay.manifest import (Change, Entry, Manifest, ManifestError, Signature, check_changes, fold_changes,
                                 manifest_bytes, parse_manifest)
-from dsa_image.wheels import sha256_bytes
+from dsa_image.core.wheels import sha256_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 

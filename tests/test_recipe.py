@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 
-from dsa_image import lock
-from dsa_image.recipe import (
+from dsa_image.build import lock
+from dsa_image.core.recipe import (
     ARCH_OF_PLATFORM, PLATFORM_OF_ARCH, RecipeError, format_value, load_every_base, load_recipe, set_base_digest,
     set_sdist_sha256, set_wheel_sha256,
 )
-from dsa_image.registry import split_reference
+from dsa_image.build.registry import split_reference
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()

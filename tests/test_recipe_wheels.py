@@ -1,4 +1,4 @@
-"""dsa_image.wheels against a local PEP 691 index: download, verification, refusal."""
+"""dsa_image.core.wheels against a local PEP 691 index: download, verification, refusal."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import urllib.error
 
 import pytest
 
-from dsa_image import wheels
+from dsa_image.core import wheels
 
 FILENAME = "fakepkg-1.0-py3-none-any.whl"
 PAYLOAD = b"not really a zip, but bytes with a hash"

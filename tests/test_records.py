@@ -1,4 +1,4 @@
-"""The records' raw data (dsa_image/records.py): packed into each record's raw.tar.xz, cited in
+"""The records' raw data (dsa_image/records/store.py): packed into each record's raw.tar.xz, cited in
 its README by sha256, read back only when it is what the README cites. No GPU, no network."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import records
+from dsa_image.records import store as records
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"

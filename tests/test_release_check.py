@@ -1,4 +1,4 @@
-"""The release check (dsa_image/release_check.py) on made-up trees, and when CI runs it; then the
+"""The release check (dsa_image/records/release_check.py) on made-up trees, and when CI runs it; then the
 sequence the split exists for: a comment-only overlay edit and `overlay.py record --refresh`
 leave the record-derived unit tests green and make the release check, not them, name the claim
 that no longer holds. These tests never run the release check against the committed tree: that
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import records, release_check
-from dsa_image.manifest import load_manifest
-from dsa_image.overlay_core import expected_receipt, receipt_bytes
+from dsa_image.records import store as records, release_check
+from dsa_image.overlay.manifest import load_manifest
+from dsa_image.overlay.core import expected_receipt, receipt_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 GIT = shutil.which("git")

@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dsa_image import indexer_reference as ref  # noqa: E402
-from dsa_image import selftest  # noqa: E402
+from dsa_image.runtime import indexer_reference as ref
+from dsa_image.runtime import selftest
 
 SMALL = [
     selftest.Case("decode-small", "decode", 5, 1500, heads=4, topk=512),

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsa_image import selftest
+from dsa_image.runtime import selftest
 
 
 # The wrappers' signatures, copied from each release's vllm/utils/deep_gemm.py.

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsa_image import selftest
-from dsa_image.dist_info import DistInfoError
+from dsa_image.runtime import selftest
+from dsa_image.core.dist_info import DistInfoError
 
 REPO = Path(__file__).resolve().parents[1]
 INDEXER = "vllm/model_executor/layers/sparse_attn_indexer.py"
@@ -179,8 +179,9 @@ def test_b12x_is_never_refused_for_scales():
 
 
 def wheel_source(member: str) -> str:
-    from dsa_image import overlay, wheels
-    from dsa_image.recipe import load_every_base
+    from dsa_image.overlay import cli as overlay
+    from dsa_image.core import wheels
+    from dsa_image.core.recipe import load_every_base
 
     base = next(r for r in load_every_base() if r.vllm_version == "0.33.0")
     data = wheels.read_member(overlay.reference_wheel(base), member)

@@ -1,4 +1,4 @@
-"""dsa_image.serve_command: the one reader of a `vllm serve` command line and its --config file.
+"""dsa_image.runtime.serve_command: the one reader of a `vllm serve` command line and its --config file.
 
 The config reader is held against PyYAML (the dev lock's; vLLM reads the file with
 yaml.safe_load): on a file it reads it finds the keys and one-line values PyYAML finds, as vLLM
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import serve_command
-from dsa_image.serve_command import ConfigError
+from dsa_image.runtime import serve_command
+from dsa_image.runtime.serve_command import ConfigError
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the dev lock (recipes/locks/dev.txt)")
 

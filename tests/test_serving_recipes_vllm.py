@@ -18,8 +18,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="needs the pinned vLLM (the image's test stage has it)")
 
-from dsa_image import memory_plan, serving_recipes as sr  # noqa: E402
-from dsa_image.recipe import load_recipe  # noqa: E402
+from dsa_image.serving import memory_plan, launch as sr
+from dsa_image.core.recipe import load_recipe  # noqa: E402
 from dsa_image.validation import recipes as scaled  # noqa: E402
 
 BUILD = load_recipe(vllm=os.environ.get("DSA_IMAGE_VLLM"))  # the image's base
@@ -146,7 +146,7 @@ def test_named_environment_variables_exist():
 
     import vllm.envs as envs
 
-    from dsa_image import overlay
+    from dsa_image.overlay import cli as overlay
 
     # The overlay's own variables exist in the overlaid vLLM (the image's): in its vllm.envs,
     # or read by one of the overlay files of the installed base.
@@ -166,7 +166,7 @@ def test_the_installed_packages_show_the_recorded_bug_verdicts():
     """The image's own FlashInfer and (overlaid) vLLM: each bug's source patterns (recipes/bugs/)
     give the verdict recorded for this base, as `scripts/recipe.py check --online` finds in the
     pinned wheels: the workarounds this image's recipes apply are the ones its packages need."""
-    from dsa_image import workarounds
+    from dsa_image.serving import workarounds
 
     for bug in workarounds.load_bugs(sr.RECIPES_DIR).values():
         if bug.source is None:

@@ -1,4 +1,4 @@
-"""dsa_image.site_path: the PYTHONPATH a `pip install --target` site needs (its .pth files do not
+"""dsa_image.core.site_path: the PYTHONPATH a `pip install --target` site needs (its .pth files do not
 run from PYTHONPATH). No GPU, no vLLM."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dsa_image import site_path
+from dsa_image.core import site_path
 
 
 @pytest.mark.parametrize("dsl", ["python_packages", "dsl_packages"])

@@ -12,11 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from test_smoke_fakes import FakeServer, FakeVllm, startup_log  # noqa: E402
 
-from dsa_image.recipe import RecipeError, load_recipe  # noqa: E402
+from dsa_image.core.recipe import RecipeError, load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke import expect, gpu  # noqa: E402
 from dsa_image.smoke.http import Client  # noqa: E402
-from dsa_image.tiny_model import CONFIG  # noqa: E402
+from dsa_image.build.tiny_model import CONFIG  # noqa: E402
 
 # The fakes play vLLM 0.24.0 (its dist-info, image label and log: FLASHMLA_SPARSE on sm_90); the
 # base the smoke checks follows the served vLLM, so the expectations here are 0.24.0's.

@@ -25,7 +25,7 @@ from test_smoke_fakes import SELFTEST_OUTPUT, FakeServer, FakeVllm, free_port, s
 docker = pytest.importorskip("docker", reason="the Docker SDK (`docker`) is in the dev lock")
 from docker.errors import APIError, DockerException, NotFound  # noqa: E402
 
-from dsa_image.recipe import load_recipe  # noqa: E402
+from dsa_image.core.recipe import load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke.docker_runtime import SMOKE_LABEL, DockerServer  # noqa: E402
 from dsa_image.smoke.layout import GpuRequest  # noqa: E402
@@ -40,7 +40,7 @@ SMOKE = REPO / "scripts" / "smoke.py"
 # The fakes play vLLM 0.24.0 (its dist-info, image label and log: FLASHMLA_SPARSE on sm_90); the
 # base the smoke checks follows the served vLLM, so the expectations here are 0.24.0's.
 RECIPE = load_recipe(vllm="0.24.0")
-ENTRYPOINT = ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.entrypoint"]
+ENTRYPOINT = ["/usr/bin/env", "PYTHONPATH=/opt/dsa-image/tool", "/opt/venv/bin/python", "-m", "dsa_image.runtime.entrypoint"]
 
 
 # --- a fake Docker SDK client: only what DockerServer uses ----------------------------------
@@ -475,7 +475,7 @@ def run_smoke_cli(image: str, out: Path, *extra: str, timeout: int = 900) -> sub
 
 IN_IMAGE_MODEL_CHECK = """\
 import sys
-from dsa_image.tiny_model import CONFIG, model_dir_differences
+from dsa_image.build.tiny_model import CONFIG, model_dir_differences
 from transformers import AutoConfig, AutoTokenizer
 model = sys.argv[1]
 differences = model_dir_differences(model)
@@ -544,7 +544,7 @@ def test_real_image_without_a_gpu_request_exits_early_with_its_log(docker_client
 @pytest.mark.slow
 def test_real_image_on_a_gpu(docker_client, gpu, request, bake_options, tmp_path):
     """On a GPU runner: the image of the GPU's target passes every check."""
-    from dsa_image import image_build
+    from dsa_image.build import image_build
 
     capability = capability_of(query_gpus())
     if capability is None:

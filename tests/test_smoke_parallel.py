@@ -22,8 +22,8 @@ import test_smoke_run as smoke_run  # noqa: E402
 from test_smoke_fakes import (FakeServer, FakeVllm, free_port, make_fake_nvidia_smi, make_fake_ray,  # noqa: E402
                               make_fake_vllm_site, startup_log)
 
-from dsa_image.entrypoint import plan_serve  # noqa: E402
-from dsa_image.recipe import load_recipe  # noqa: E402
+from dsa_image.runtime.entrypoint import plan_serve  # noqa: E402
+from dsa_image.core.recipe import load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke import cli  # noqa: E402
 from dsa_image.smoke.gpu import gpus_held, parse_apps  # noqa: E402

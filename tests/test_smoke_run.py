@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_smoke_fakes import (SELFTEST_OUTPUT, FakeServer, FakeVllm, free_port, make_fake_vllm_site, pid_alive,  # noqa: E402
                              startup_log)
 
-from dsa_image import tiny_model  # noqa: E402
-from dsa_image.recipe import load_recipe  # noqa: E402
+from dsa_image.build import tiny_model
+from dsa_image.core.recipe import load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke.report import LOG_NAME, REPORT_NAME, Report  # noqa: E402
 from dsa_image.smoke.run import StartError, print_summary, run_smoke, wait_healthy  # noqa: E402

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import tiny_model
-from dsa_image.tiny_model import CONFIG, TinyModelError
+from dsa_image.build import tiny_model
+from dsa_image.build.tiny_model import CONFIG, TinyModelError
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "make_tiny_model.py"
@@ -133,7 +133,7 @@ def test_cli_exit_codes(tmp_path):
 
 
 def test_module_is_stdlib_only():
-    tree = ast.parse((REPO / "dsa_image" / "tiny_model.py").read_text())
+    tree = ast.parse((REPO / "dsa_image" / "build" / "tiny_model.py").read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

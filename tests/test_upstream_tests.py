@@ -1,4 +1,4 @@
-"""dsa_image.upstream_tests: vLLM's own tests as the overlay's gate.
+"""dsa_image.upstream.gate: vLLM's own tests as the overlay's gate.
 
 Selection on a synthetic tests tree with the imports that are easy to miss; the sdist read as
 bytes, never extracted; the bundle refusing any change; the comparison's rule; and the runner
@@ -10,7 +10,6 @@ upstream-overlay stages (tests/test_image.py reads their results).
 
 from __future__ import annotations
 
-import ast
 import io
 import json
 import os
@@ -23,10 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import lock, upstream_tests as ut, wheels
-from dsa_image.manifest import load_manifest
-from dsa_image.overlay_core import RECEIPT_NAME, manifest_path
-from dsa_image.recipe import REPO_ROOT, load_every_base
+from dsa_image.build import lock
+from dsa_image.upstream import gate as ut
+from dsa_image.core import wheels
+from dsa_image.overlay.manifest import load_manifest
+from dsa_image.overlay.core import RECEIPT_NAME, manifest_path
+from dsa_image.core.recipe import REPO_ROOT, load_every_base
 
 SCRIPT = REPO_ROOT / "scripts" / "upstream_tests.py"
 INDEXER = "vllm.v1.attention.backends.mla.indexer"
@@ -531,29 +532,15 @@ def test_a_bundle_of_the_pinned_sdist_is_small_and_carries_its_packages(tmp_path
 # --- the image's stages ---------------------------------------------------------------------------
 
 
-def _ours(path: Path) -> set[str]:
-    """The dsa_image modules `path` imports (from dsa_image import x, from .x import y, ...)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level and node.module:
-                found.add(f"dsa_image.{node.module}")
-            elif node.module == "dsa_image" or node.level and not node.module:
-                found |= {f"dsa_image.{a.name}" for a in node.names}
-            elif node.module and node.module.startswith("dsa_image."):
-                found.add(node.module)
-    return found
-
-
 def test_the_bundle_stage_copies_every_module_of_ours_the_tool_imports():
     """The upstream-bundle stage copies the tool module by module (its cache then follows only
     them); the runs bind-mount that copy. A module missing there fails only the image build."""
-    todo, seen = [SCRIPT], set()
-    while todo:
-        for module in _ours(todo.pop()) - seen:
-            seen.add(module)
-            todo.append(REPO_ROOT / f"{module.replace('.', '/')}.py")
+    from test_image_tree import closure
+
+    needed = {str(f.relative_to(REPO_ROOT)) for f in closure({SCRIPT})} - {"scripts/upstream_tests.py"}
     stage = (REPO_ROOT / "Dockerfile").read_text().split("FROM base AS upstream-bundle\n", 1)[1].split("\nFROM ", 1)[0]
-    copied = set(re.findall(r"dsa_image/(\w+)\.py", stage))
-    assert {m.removeprefix("dsa_image.") for m in seen} <= copied, sorted(seen)
+    copied = set(re.findall(r"(dsa_image/[\w/]+\.py)", stage))
+    copied |= {str(f.relative_to(REPO_ROOT)) for d in re.findall(r"COPY (dsa_image/\w+)/ ", stage)
+               for f in (REPO_ROOT / d).glob("*.py")}
+    assert needed <= copied, sorted(needed - copied)
     assert "scripts/upstream_tests.py" in stage

@@ -55,7 +55,7 @@ def test_comparison_checks_the_overlays_exact_decode_max():
 
 
 def test_each_server_is_timed_to_its_own_first_healthy_answer(monkeypatch):
-    from dsa_image.validation import serving
+    from dsa_image.harness import server as serving
 
     clock = iter(range(0, 1000, 10))
     monkeypatch.setattr(serving.time, "monotonic", lambda: next(clock))
@@ -74,7 +74,7 @@ def test_each_server_is_timed_to_its_own_first_healthy_answer(monkeypatch):
 
 
 def test_a_server_that_never_answers_is_named(monkeypatch):
-    from dsa_image.validation import serving
+    from dsa_image.harness import server as serving
 
     clock = iter(range(0, 1000, 10))
     monkeypatch.setattr(serving.time, "monotonic", lambda: next(clock))

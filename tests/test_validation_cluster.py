@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.validation import cluster, serving
+from dsa_image.harness import server as serving
+from dsa_image.validation import cluster
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -758,7 +759,7 @@ def serve(args):
 
 
 def model_info_fill(args):
-    # dsa_image.model_info_cache fill: one entry, and a count of fills per site in the registry.
+    # dsa_image.build.model_info_cache fill: one entry, and a count of fills per site in the registry.
     root = Path(flag(args, "--cache-root"))
     (root / "modelinfos").mkdir(parents=True)
     (root / "modelinfos" / "fake-GlmMoeDsaForCausalLM.json").write_text("{}")
@@ -770,7 +771,7 @@ def model_info_fill(args):
 args = sys.argv[1:]
 if args[:1] == ["-c"]:
     evidence(args)
-elif args[:3] == ["-m", "dsa_image.model_info_cache", "fill"]:
+elif args[:3] == ["-m", "dsa_image.build.model_info_cache", "fill"]:
     model_info_fill(args)
 elif args[:3] == ["-m", "ray.scripts.scripts", "start"]:
     ray_start(args)

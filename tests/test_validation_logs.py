@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.tiny_model import write_model
-from dsa_image.validation import b12x_serving, recipes, serving, serving_modes
+from dsa_image.build.tiny_model import write_model
+from dsa_image.harness import server as serving
+from dsa_image.validation import b12x_serving, recipes, serving_modes
 
 # The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -13,7 +13,7 @@ Both were written against vLLM 0.24.0 and first meet 0.33.0 on the H200 in the `
 - vLLM's JIT monitor also reports CuTeDSL and TileLang compilations, with the Triton ones'
   wording.
 
-The tests that read the 0.33.0 wheel skip where it is not in the wheel cache (dsa_image.wheels).
+The tests that read the 0.33.0 wheel skip where it is not in the wheel cache (dsa_image.core.wheels).
 What the runs of 0.33.0 served, re-judged from their records, is tests/test_validation_records.py.
 """
 
@@ -27,10 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import spec_decode_metrics
-from dsa_image.recipe import load_recipe
-from dsa_image.validation import serving, serving_modes, warmstart
-from dsa_image.wheels import wheel_cache_path
+from dsa_image.runtime import spec_decode_metrics
+from dsa_image.core.recipe import load_recipe
+from dsa_image.harness import server as serving
+from dsa_image.validation import serving_modes, warmstart
+from dsa_image.core.wheels import wheel_cache_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bench import fake_vllm_site, free_ports, tiny_model  # noqa: E402,F401 (tiny_model: a fixture)
@@ -192,7 +193,7 @@ def _modes_args(tmp_path, model: Path, stock: Path, overlay: Path, *more: str) -
 
 
 def test_model_info_is_made_once_per_side_from_the_mtp_model_and_kept(tmp_path, tiny_model, capsys):  # noqa: F811
-    from dsa_image.tiny_model import MTP_CONFIG, write_model
+    from dsa_image.build.tiny_model import MTP_CONFIG, write_model
 
     mtp = tmp_path / "tiny-mtp"
     write_model(mtp, MTP_CONFIG)

@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from dsa_image.validation import serving, serving_modes
+from dsa_image.harness import server as serving
+from dsa_image.validation import serving_modes
 from record_files import BENCHMARKS, VALIDATION, listed, unpacked
 
 # The first served MTP, 64k and fp8 KV runs of 0.33.0, and its warm start.

@@ -10,7 +10,9 @@ builds must agree on the texts of the same tokens.
 import sys
 from pathlib import Path
 
-from dsa_image.validation import b12x_serving, recipes, serving
+from dsa_image.harness import server as serving
+from dsa_image.validation import b12x_serving, recipes
+from dsa_image.validation import serving as serving_check
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bench import FakeOpenAI, FakeServer  # noqa: E402
@@ -81,11 +83,11 @@ def _report(**changes):
 
 
 def test_the_serving_verdict_passes_empty_text_and_fails_no_tokens_or_other_text():
-    assert serving.verdict(_report()) and _report()["empty_text"]
-    assert not serving.verdict(_report(unanswered={"overlay": ["sequential[0]"]}))
+    assert serving_check.verdict(_report()) and _report()["empty_text"]
+    assert not serving_check.verdict(_report(unanswered={"overlay": ["sequential[0]"]}))
     other = serving.compare(_results(), _results(text="x"))
-    assert not serving.verdict(_report(stock_vs_overlay=other))
-    assert not serving.verdict(_report(jit_during_inference={"overlay": ["_build_prefill_chunk_metadata_kernel"]}))
+    assert not serving_check.verdict(_report(stock_vs_overlay=other))
+    assert not serving_check.verdict(_report(jit_during_inference={"overlay": ["_build_prefill_chunk_metadata_kernel"]}))
 
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -104,9 +106,9 @@ def test_the_verdict_knows_0_33s_prefill_chunk_kernel():
     # compiled it during inference; the second run's did not.
     first = _jit_report("run1")
     assert "BuildPrefillChunkMetadataKernel" in first["jit_during_inference"]["overlay"]
-    assert not serving.verdict(first)
+    assert not serving_check.verdict(first)
     second = _jit_report("run2")
-    assert second["jit_during_inference"]["overlay"] == ["fused_moe_kernel"] and serving.verdict(second)
+    assert second["jit_during_inference"]["overlay"] == ["fused_moe_kernel"] and serving_check.verdict(second)
 
 
 def test_complete_asks_for_the_top_5_as_token_ids():

@@ -1,8 +1,8 @@
 """dsa_image.validation.startup on the CPU: which flags its before and after starts give vLLM
 (the image's no-argument `docker run`, read from the entrypoint and the recipe)."""
 
-from dsa_image import entrypoint
-from dsa_image.recipe import load_recipe
+from dsa_image.runtime import entrypoint
+from dsa_image.core.recipe import load_recipe
 from dsa_image.validation import startup
 
 
@@ -25,7 +25,7 @@ def test_the_four_starts_run_in_order_and_an_after_start_without_its_build_is_re
     import json
 
     import test_bench as fakes
-    from dsa_image.tiny_model import write_model
+    from dsa_image.build.tiny_model import write_model
 
     write_model(tmp_path / "model")
     site = fakes.fake_vllm_site(tmp_path / "site", fake={"ttft_s": 0.002})

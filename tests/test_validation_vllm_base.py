@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.dist_info import DistInfoError
+from dsa_image.core.dist_info import DistInfoError
 from dsa_image.validation import vllm_base
 
 

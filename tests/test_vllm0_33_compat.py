@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import serving_recipes as sr
-from dsa_image import spec_decode_metrics, warmup
-from dsa_image.recipe import load_recipe
+from dsa_image.serving import launch as sr
+from dsa_image.runtime import spec_decode_metrics, warmup
+from dsa_image.core.recipe import load_recipe
 from dsa_image.validation import recipes as scaled
-from dsa_image.validation import serving
-from dsa_image.wheels import cache_dir
+from dsa_image.harness import server as serving
+from dsa_image.core.wheels import cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -340,7 +340,7 @@ def test_every_recipe_flag_and_value_is_one_vllm_serve_of_that_release_takes(ver
 def test_the_flags_the_bench_passes_and_the_warmup_reads_are_that_releases(version):
     """The bench starts each server with serving.start_server's flags and its group's; the
     warm-up finds the server from --host, --port, --uds, --ssl-certfile, --api-key and --config."""
-    from dsa_image import bench
+    from dsa_image.bench import paired as bench
 
     options = serve_options(version)
     args = bench.parse_args(["run", "--a-site", "a", "--b-site", "b", "--model", "m", "--out", "o"])

@@ -1,4 +1,4 @@
-"""The warm-up (dsa_image/warmup.py) and the warm-start measurement's pure parts, on the CPU,
+"""The warm-up (dsa_image/runtime/warmup.py) and the warm-start measurement's pure parts, on the CPU,
 against the fake OpenAI-compatible vLLM of tests/test_bench.py: what is sent, the readiness
 marker and its identity check, and the supervisor (a real child process, signals, exit codes)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import test_bench as fakes
-from dsa_image import spec_decode_metrics, warmup
+from dsa_image.runtime import spec_decode_metrics, warmup
 from dsa_image.validation import warmstart
 
 REPO = Path(__file__).resolve().parent.parent
@@ -355,7 +355,7 @@ def start_supervisor(tmp_path: Path, marker: Path, sigint_ignored: bool = False,
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": f"{REPO}:{site}",
            "DSA_IMAGE_WARMUP_PREFILL": "2500", "DSA_IMAGE_WARMUP_CONCURRENCY": "1,4"}
     server = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "m", "--port", str(port)]
-    proc = subprocess.Popen([sys.executable, "-m", "dsa_image.warmup", "supervise", "--marker", str(marker), "--", *server],
+    proc = subprocess.Popen([sys.executable, "-m", "dsa_image.runtime.warmup", "supervise", "--marker", str(marker), "--", *server],
                             env=env, cwd=str(tmp_path), stderr=subprocess.PIPE, text=True,
                             preexec_fn=_ignore_sigint if sigint_ignored else None)
     return proc, port
@@ -407,7 +407,7 @@ def test_supervisor_marks_the_warm_server_and_forwards_sigterm(tmp_path):
         doc = json.loads(marker.read_text())
         assert doc["pid"] == server and "prefill-2500" in doc["warmup"]["steps"]
         assert warmup.warm_problem(server) is None
-        check = subprocess.run([sys.executable, "-m", "dsa_image.warmup", "check", "--pid", str(server)],
+        check = subprocess.run([sys.executable, "-m", "dsa_image.runtime.warmup", "check", "--pid", str(server)],
                                env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True)
         assert check.returncode == 0 and check.stdout.strip() == "ready"
         supervisor.send_signal(signal.SIGTERM)
@@ -504,7 +504,7 @@ def test_a_malformed_answer_fails_the_warmup_with_a_marker_saying_why(tmp_path, 
     marker, port = tmp_path / "warm.json", fakes.free_ports(1)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), "DSA_IMAGE_WARMUP_PREFILL": "3000",
            "DSA_IMAGE_WARMUP_CONCURRENCY": "1", "SCRIPTED_ANSWERS": json.dumps({path: {"body": body}})}
-    supervisor = subprocess.Popen([sys.executable, "-m", "dsa_image.warmup", "supervise", "--marker", str(marker), "--",
+    supervisor = subprocess.Popen([sys.executable, "-m", "dsa_image.runtime.warmup", "supervise", "--marker", str(marker), "--",
                                    *scripted_server_argv(tmp_path, port)], env=env, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_for(marker.exists, 30), "no marker: the warm-up ended without one"
@@ -533,7 +533,7 @@ def test_a_fault_of_the_warmup_itself_still_leaves_a_marker(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("value", ["inf", "1e10"])
 def test_the_supervisor_refuses_a_budget_a_socket_cannot_take_before_starting_the_server(value):
-    done = subprocess.run([sys.executable, "-m", "dsa_image.warmup", "supervise", "--", "sleep", "60"],
+    done = subprocess.run([sys.executable, "-m", "dsa_image.runtime.warmup", "supervise", "--", "sleep", "60"],
                           env={"PYTHONPATH": str(REPO), "DSA_IMAGE_WARMUP_TIMEOUT_S": value},
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and f"DSA_IMAGE_WARMUP_TIMEOUT_S={value!r}: expected" in done.stderr
@@ -565,7 +565,7 @@ def test_the_budget_is_one_deadline_for_the_whole_warmup(tmp_path, answers, duri
 
 
 def test_supervisor_refuses_a_setting_it_cannot_read_before_starting_the_server(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "dsa_image.warmup", "supervise", "--", "sleep", "60"],
+    done = subprocess.run([sys.executable, "-m", "dsa_image.runtime.warmup", "supervise", "--", "sleep", "60"],
                           env={"PYTHONPATH": str(REPO), "DSA_IMAGE_WARMUP_CONCURRENCY": "8,many"},
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "DSA_IMAGE_WARMUP_CONCURRENCY='8,many': expected" in done.stderr
@@ -588,7 +588,7 @@ def test_supervisor_reports_a_server_killed_by_a_signal_as_128_plus_n(tmp_path):
 
 
 def test_supervisor_without_a_server_command_is_a_usage_error():
-    done = subprocess.run([sys.executable, "-m", "dsa_image.warmup", "supervise", "--"],
+    done = subprocess.run([sys.executable, "-m", "dsa_image.runtime.warmup", "supervise", "--"],
                           env={"PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     assert done.returncode == 2 and "needs the server's command" in done.stderr
 
@@ -614,8 +614,8 @@ def runtime_env() -> dict[str, str]:
 def test_every_compile_cache_of_the_image_lies_under_the_one_directory_a_volume_holds():
     """The image's ENV is compile_caches.cache_env of its HOME: the validation's servers get the
     same layout under their own HOMEs, so what it measures of caches is what the image does."""
-    from dsa_image.compile_caches import cache_env
-    from dsa_image.entrypoint import CACHE_DIR
+    from dsa_image.core.compile_caches import cache_env
+    from dsa_image.runtime.entrypoint import CACHE_DIR
 
     env = runtime_env()
     assert env["HOME"] + "/.cache" == env["XDG_CACHE_HOME"] == CACHE_DIR
@@ -626,7 +626,7 @@ def test_every_compile_cache_of_the_image_lies_under_the_one_directory_a_volume_
 
 
 def test_the_readmes_run_commands_keep_the_caches_in_a_named_volume():
-    from dsa_image.entrypoint import CACHE_DIR
+    from dsa_image.runtime.entrypoint import CACHE_DIR
 
     readme = (REPO / "README.md").read_text()
     runs = [line for line in readme.splitlines() if line.startswith("    ") and "docker run" in line and "--gpus" in line]
@@ -659,7 +659,7 @@ def test_cache_sizes_list_what_a_start_filled(tmp_path):
 
 
 def test_warmstart_attributes_compilations_to_the_first_request_or_the_warmup(tmp_path):
-    from dsa_image.tiny_model import write_model
+    from dsa_image.build.tiny_model import write_model
 
     write_model(tmp_path / "model")
     site = fakes.fake_vllm_site(tmp_path / "site", fake={"ttft_s": 0.002, "jit_line_on_first": True})
@@ -682,7 +682,7 @@ def test_warmstart_attributes_compilations_to_the_first_request_or_the_warmup(tm
 
 
 def _warm_start(tmp_path, *extra: str) -> tuple[int, dict]:
-    from dsa_image.tiny_model import write_model
+    from dsa_image.build.tiny_model import write_model
 
     write_model(tmp_path / "model")
     site = fakes.fake_vllm_site(tmp_path / "site", fake={"ttft_s": 0.05, "jit_line_on_first": True})
@@ -715,7 +715,7 @@ def test_what_compiled_after_the_warm_up_is_a_problem_by_name():
 
 
 def test_a_cold_step_takes_the_model_info_kept_in_the_shared_root(tmp_path):
-    from dsa_image.tiny_model import write_model
+    from dsa_image.build.tiny_model import write_model
 
     write_model(tmp_path / "model")
     site = fakes.fake_vllm_site(tmp_path / "site")
@@ -728,7 +728,7 @@ def test_a_cold_step_takes_the_model_info_kept_in_the_shared_root(tmp_path):
 
 
 def test_a_cold_home_that_cannot_be_made_as_the_images_fails_the_step_not_the_run(tmp_path):
-    from dsa_image.tiny_model import write_model
+    from dsa_image.build.tiny_model import write_model
 
     write_model(tmp_path / "model")
     site = fakes.fake_vllm_site(tmp_path / "site")

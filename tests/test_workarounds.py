@@ -1,4 +1,4 @@
-"""dsa_image.workarounds: the bug files of recipes/bugs/, their evidence in the pinned locks and
+"""dsa_image.serving.workarounds: the bug files of recipes/bugs/, their evidence in the pinned locks and
 wheels, and the check that fails once a base no longer has a bug that a recipe works around
 (fake wheels here; the real pinned ones under the `wheel` marker)."""
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image import workarounds as w
-from dsa_image.recipe import load_every_base
+from dsa_image.build import bug_check
+from dsa_image.serving import workarounds as w
+from dsa_image.core.recipe import load_every_base
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
@@ -56,23 +57,23 @@ def edit_bug(root: Path, bug: str, old: str, new: str) -> None:
 
 def test_the_check_passes_while_the_pinned_wheel_still_has_the_bug(tmp_path):
     wheel = fake_wheel(tmp_path, {TOPK: f"// topk\n{BEFORE}"})
-    assert w.base_problems(sampler_bug(), OLD, online=True, wheel_for=lambda build, package: wheel) == []
+    assert bug_check.base_problems(sampler_bug(), OLD, online=True, wheel_for=lambda build, package: wheel) == []
 
 
 def test_the_check_fails_when_the_bug_is_gone_from_a_base_it_is_applied_to(tmp_path):
     wheel = fake_wheel(tmp_path, {TOPK: f"// topk\n{AFTER}"})
-    problems = w.base_problems(sampler_bug(), OLD, online=True, wheel_for=lambda build, package: wheel)
+    problems = bug_check.base_problems(sampler_bug(), OLD, online=True, wheel_for=lambda build, package: wheel)
     assert len(problems) == 1
     assert ("vLLM 0.24.0: recorded present, but flashinfer_python-0.6.12-py3-none-any.whl shows fixed: the fix's "
             "`RadixGroupResetStateLastCTA` in flashinfer/data/include/flashinfer/topk.cuh; the bug is gone from a "
             "base it is recorded on") in problems[0]
     # offline, the versions alone cannot tell (the fake carries the pinned version): the source does
-    assert w.base_problems(sampler_bug(), OLD, online=False, wheel_for=lambda build, package: wheel) == []
+    assert bug_check.base_problems(sampler_bug(), OLD, online=False, wheel_for=lambda build, package: wheel) == []
 
 
 def test_the_check_fails_when_the_patterns_no_longer_tell(tmp_path):
     wheel = fake_wheel(tmp_path, {TOPK: "// rewritten\n"})
-    problems = w.base_problems(sampler_bug(), OLD, online=True, wheel_for=lambda build, package: wheel)
+    problems = bug_check.base_problems(sampler_bug(), OLD, online=True, wheel_for=lambda build, package: wheel)
     assert len(problems) == 1 and "the patterns no longer tell; read the release's source" in problems[0]
 
 
@@ -81,11 +82,11 @@ def test_the_check_fails_when_a_lock_moves_to_the_release_that_fixed_it(tmp_path
     below the version its lock pins (as after a FlashInfer bump) is gone there."""
     root = copy_recipes(tmp_path)
     edit_bug(root, SAMPLER, 'fixed_in = "0.6.14"', 'fixed_in = "0.6.12"')
-    problems = w.check(OLD, root)
+    problems = bug_check.check(OLD, root)
     assert len(problems) == 1 and (
         "vLLM 0.24.0: recorded present, but flashinfer-python 0.6.12 is at or above 0.6.12, which fixed it: the bug "
         "is gone from this base") in problems[0]
-    assert w.check(NEW, root) == []  # recorded fixed on 0.33.0: nothing to say
+    assert bug_check.check(NEW, root) == []  # recorded fixed on 0.33.0: nothing to say
 
 
 def test_the_check_holds_every_decision_to_the_lock(tmp_path):
@@ -93,7 +94,7 @@ def test_the_check_holds_every_decision_to_the_lock(tmp_path):
     edit_bug(root, SAMPLER, 'pinned = "0.7.2.post1"', 'pinned = "0.7.1"')
     edit_bug(root, "flashinfer-3700", '[bases."0.33.0"]\npinned = "0.7.2.post1"\nverdict = "fixed"\n', "")
     edit_bug(root, "flashinfer-5095", 'verdict = "fixed"', 'verdict = "present"')
-    problems = "\n".join(w.check(NEW, root))
+    problems = "\n".join(bug_check.check(NEW, root))
     assert ("flashinfer-3610.toml: vLLM 0.33.0: records flashinfer-python 0.7.1, the base's locks pin 0.7.2.post1"
             in problems)
     assert 'flashinfer-3700.toml: no [bases."0.33.0"] decision (flashinfer-python 0.7.2.post1 pinned)' in problems
@@ -101,12 +102,12 @@ def test_the_check_holds_every_decision_to_the_lock(tmp_path):
            "0.7.1" in problems
     edit_bug(root, "flashinfer-5095", 'verdict = "present"', 'verdict = "fixed"')
     edit_bug(root, "flashinfer-5001", 'fixed_in = "0.7.0"', 'fixed_in = "0.8.0"')
-    assert any("recorded fixed, but flashinfer-python 0.7.2.post1 is below 0.8.0" in p for p in w.check(NEW, root))
+    assert any("recorded fixed, but flashinfer-python 0.7.2.post1 is below 0.8.0" in p for p in bug_check.check(NEW, root))
 
 
 def test_the_committed_decisions_agree_with_every_base_offline():
     for build in BASES.values():
-        assert w.check(build, RECIPES) == [], build.vllm_version
+        assert bug_check.check(build, RECIPES) == [], build.vllm_version
 
 
 # -- source verdicts ------------------------------------------------------------------------
@@ -197,11 +198,11 @@ def test_every_bug_has_evidence_and_a_decision_per_base():
 
 def test_cli_verdict_reads_any_wheel(tmp_path):
     present = fake_wheel(tmp_path, {TOPK: BEFORE})
-    done = subprocess.run([sys.executable, "-m", "dsa_image.workarounds", "verdict", SAMPLER, str(present)],
+    done = subprocess.run([sys.executable, "-m", "dsa_image.serving.workarounds", "verdict", SAMPLER, str(present)],
                           capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0 and done.stdout.startswith("flashinfer_python-0.6.12-py3-none-any.whl: present: ")
     unclear = fake_wheel(tmp_path, {TOPK: "rewritten"})
-    done = subprocess.run([sys.executable, "-m", "dsa_image.workarounds", "verdict", SAMPLER, str(unclear)],
+    done = subprocess.run([sys.executable, "-m", "dsa_image.serving.workarounds", "verdict", SAMPLER, str(unclear)],
                           capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 1 and ": unclear: " in done.stdout
 
@@ -214,7 +215,7 @@ def test_cli_verdict_reads_any_wheel(tmp_path):
 def test_the_pinned_wheels_give_the_recorded_verdicts(base):
     """Downloads (once, into ~/.cache/dsa-image) each base's pinned FlashInfer wheel and its vLLM
     wheel, and reads every bug's source patterns in them."""
-    assert w.check(BASES[base], RECIPES, online=True) == []
+    assert bug_check.check(BASES[base], RECIPES, online=True) == []
 
 
 @pytest.mark.wheel
@@ -222,7 +223,7 @@ def test_the_pinned_flashinfers_decide_the_sm120_workarounds():
     bugs = w.load_bugs(RECIPES)
     verdicts = {}
     for base, build in BASES.items():
-        wheel = w.pinned_wheel(build, "flashinfer-python")
+        wheel = bug_check.pinned_wheel(build, "flashinfer-python")
         for bug in bugs.values():
             if bug.package == "flashinfer-python":
                 verdicts[bug.id, base] = w.source_verdict(bug.source, w.wheel_members(wheel, bug.source.files))[0]

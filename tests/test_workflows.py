@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.recipe import load_recipe
+from dsa_image.core.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOW = REPO / ".github" / "workflows" / "image.yml"

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from dsa_image.smoke.expect import Expected, backend_problems
 from dsa_image.smoke.http import Client, HttpError
 from dsa_image.smoke.layout import Layout, layout_problems
-from dsa_image.tiny_model import CONFIG as TINY_CONFIG
+from dsa_image.build.tiny_model import CONFIG as TINY_CONFIG
 
 # Over index_topk, so the indexer scores the prefill; well inside max_model_len (8192).
 LONG_PROMPT_TOKENS = 3000
@@ -284,7 +284,7 @@ def check_verify(run_verify: Callable[[], tuple[int, str]], command: str) -> Che
 
 
 def check_selftest(run_selftest: Callable[[], tuple[int, str]]) -> Check:
-    """The image's indexer self-test on this GPU (dsa_image.selftest): its table goes in the report."""
+    """The image's indexer self-test on this GPU (dsa_image.runtime.selftest): its table goes in the report."""
     def body():
         code, output = run_selftest()
         lines = output.splitlines()

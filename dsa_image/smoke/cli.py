@@ -7,12 +7,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dsa_image.recipe import DEFAULT_RECIPE, RecipeError, load_recipe
+from dsa_image.core.recipe import DEFAULT_RECIPE, RecipeError, load_recipe
 from dsa_image.smoke.layout import BACKENDS, GpuRequest, Layout, LayoutError, positive_int, server_args_problem
 from dsa_image.smoke.owner import CLEANUP_COMMAND
 from dsa_image.smoke.report import LOG_NAME, REPORT_NAME, Report
 from dsa_image.smoke.run import DEFAULT_HEALTH_TIMEOUT_S, StartError, print_summary, run_smoke, resolve_target
-from dsa_image.tiny_model import TinyModelError, write_model
+from dsa_image.build.tiny_model import TinyModelError, write_model
 
 USAGE = """\
 smoke.py --runtime docker --image IMAGE [--gpus all|N|device=I,J] [LAYOUT] [--target T] [--out DIR] [-- SERVER_ARG...]

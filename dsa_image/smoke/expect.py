@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dsa_image.recipe import Recipe, RecipeError, Target
+from dsa_image.core.recipe import Recipe, RecipeError, Target
 
 # The env switch of the overlay's b12x indexer path, and the GPUs b12x runs on (sm_12x).
 B12X_ENV = "VLLM_USE_B12X_SPARSE_INDEXER"

@@ -64,7 +64,7 @@ RAY_LOCAL_LOG = "Started a local Ray instance"
 RAY_JOIN_LOG = re.compile(r"Connecting to existing Ray cluster at address: (\S+?)\.\.\.")
 # Ray prefixes a worker's forwarded line with its ip only when the worker runs on another node.
 RAY_REMOTE_WORKER = re.compile(r"\(\w+ pid=\d+, ip=([^)\s]+)\)")
-# The image's entrypoint logs the `vllm serve` argv it execs (dsa_image/entrypoint.py plan_serve).
+# The image's entrypoint logs the `vllm serve` argv it execs (dsa_image/runtime/entrypoint.py plan_serve).
 ENTRYPOINT_SERVE_LOG = re.compile(r"^dsa-image \S+: .*?(?:recipe's defaults|Running): (vllm serve .*?)\s*$", re.M)
 SHM_QUERY = ["df", "-kP", "/dev/shm"]
 

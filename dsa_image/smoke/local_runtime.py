@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import IO
 
-from dsa_image.recipe import Recipe, Target
-from dsa_image.site_path import pythonpath
+from dsa_image.core.recipe import Recipe, Target
+from dsa_image.core.site_path import pythonpath
 from dsa_image.smoke.gpu import gpus_held, host_runner, query_gpus, query_inventory
 from dsa_image.smoke.layout import (SINGLE_GPU, Layout, LayoutError, check_fits, layout_record, query_shm,
                                     visible_local, visible_ray_cluster)
@@ -130,11 +130,11 @@ class LocalServer:
         return done.returncode, done.stdout + done.stderr
 
     def run_selftest(self) -> tuple[int, str]:
-        """dsa_image.selftest with the served environment's vLLM first on the path, then this
+        """dsa_image.runtime.selftest with the served environment's vLLM first on the path, then this
         checkout (for dsa_image itself); cwd "/" as for the server."""
         paths = [str(p) for p in (self._site(), REPO) if p]
         env = {**self.env, "PYTHONPATH": os.pathsep.join(paths)}
-        done = subprocess.run([self.python, "-m", "dsa_image.selftest", "--json", "-"], capture_output=True,
+        done = subprocess.run([self.python, "-m", "dsa_image.runtime.selftest", "--json", "-"], capture_output=True,
                               text=True, env=env, cwd="/", timeout=900)
         return done.returncode, done.stdout + done.stderr
 

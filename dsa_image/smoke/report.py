@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsa_image.atomic import write_atomic
+from dsa_image.core.atomic import write_atomic
 from dsa_image.smoke.checks import Check
 
 SCHEMA = 1

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Iterable, Protocol
 
-from dsa_image.recipe import Recipe, RecipeError, Target
+from dsa_image.core.recipe import Recipe, RecipeError, Target
 from dsa_image.smoke import checks as C
 from dsa_image.smoke.expect import capability_problem, expected_for, target_for_capability
 from dsa_image.smoke.gpu import capability_of

@@ -88,7 +88,7 @@ def check_release(release, root: Path) -> dict:
 def check_paged(emulated, reference) -> dict:
     import torch
 
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     gen = torch.Generator().manual_seed(SEED)
     rows, heads, columns = 6, 32, 40
@@ -110,7 +110,7 @@ def check_paged(emulated, reference) -> dict:
 def check_contiguous(emulated, reference) -> dict:
     import torch
 
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     gen = torch.Generator().manual_seed(SEED + 1)
     rows, heads, keys, topk = 300, 32, 3000, 512
@@ -148,7 +148,7 @@ def _agree(theirs, ours, magnitude, topk: int) -> dict:
 
 
 def _selection_problems(logits, chosen, magnitude, topk: int) -> list[str]:
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     found = []
     finite = magnitude.isfinite()
@@ -178,7 +178,7 @@ def check_schedules(emulated, module) -> dict:
 
 
 def check_constants(release, indexer_dir: Path) -> dict:
-    from dsa_image import b12x_api
+    from dsa_image.build import b12x_api
 
     files = {f"{release.package}.{p.stem}": p.read_text() for p in indexer_dir.glob("*.py")}
     expected = release.wheel_constants()

@@ -7,7 +7,7 @@ in b12x's place. For each case the top-k positions the overlay writes for every 
 are compared with a dense reference of the whole indexer computed from the batch's description
 alone: a token at position p sees its request's positions [0, p], read from the paged cache
 through the request's row of the runner's block table. The emulation and the reference share
-dsa_image.indexer_reference's bit-reproducible math, so the sets must be equal, not close. The
+dsa_image.runtime.indexer_reference's bit-reproducible math, so the sets must be equal, not close. The
 one freedom admitted: vLLM's decode top-k may take any of several logits equal to the k-th.
 
 Also checked: the production start-up check refuses this GPU with the emulation loaded (the
@@ -273,7 +273,7 @@ def build_metadata(builder, case: GlueCase, table: np.ndarray):
 def make_inputs(case: GlueCase, table: np.ndarray, config) -> dict:
     import torch
 
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
     from vllm.v1.attention.backends.mla.indexer import get_max_prefill_buffer_size
 
     gen = torch.Generator().manual_seed(SEED + case.spec.num_tokens)
@@ -311,7 +311,7 @@ def compare_with_reference(case: GlueCase, inputs: dict, chosen, result: CaseRes
     """Per request: the reference logits of its rows over its context, then sets compared."""
     import torch
 
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     pages = ref.cache_pages(inputs["cache"])
     start = 0
@@ -325,7 +325,7 @@ def compare_with_reference(case: GlueCase, inputs: dict, chosen, result: CaseRes
 
 
 def _compare_rows(logits, chosen, first_token: int, result: CaseResult) -> None:
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     wanted = ref.topk_positions(logits, TOPK)
     equal = (wanted.sort(1).values == chosen.sort(1).values).all(1).cpu()
@@ -431,7 +431,7 @@ def reserve_and_lock_workspace(model: str, base: GlueBase) -> dict:
 
 def run_selftest_b12x() -> dict:
     """The self-test's b12x branch (b12x_indexer and the compare logic) on the emulation."""
-    from dsa_image import selftest
+    from dsa_image.runtime import selftest
 
     cases = selftest.default_cases(_supertile())
     results, code = selftest.run_suite(selftest.B12xKernels(), cases, DEVICE)

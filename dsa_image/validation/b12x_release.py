@@ -13,7 +13,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from dsa_image.recipe import load_recipe
+from dsa_image.core.recipe import load_recipe
 
 
 def pinned_b12x(vllm: str) -> str:

@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from dsa_image.validation import serving
+from dsa_image.harness import server as serving
 
 SUPERTILE = "2048"
 KERNEL_LINE = re.compile(r"DSA sparse indexer kernels: (\w+)")
@@ -107,7 +107,7 @@ def explain_call(stock: dict, emulated: dict) -> dict:
 
 def explain_rows(stock: dict, emulated: dict, rows: list[int]) -> dict:
     """b12x must be the reference's top-k exactly; DeepGEMM may differ only at near-ties."""
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     logits, magnitude = _reference(stock, rows)
     k = stock["topk"]
@@ -127,7 +127,7 @@ def explain_rows(stock: dict, emulated: dict, rows: list[int]) -> dict:
 def _reference(record: dict, rows: list[int]):
     import torch
 
-    from dsa_image import indexer_reference as ref
+    from dsa_image.runtime import indexer_reference as ref
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = record["q"][rows].view(ref.FP8).to(device)

@@ -61,9 +61,10 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dsa_image import model_info_cache
+from dsa_image.build import model_info_cache
 from dsa_image.smoke import gpu as smoke_gpu
-from dsa_image.validation import serving, serving_modes, vllm_base
+from dsa_image.harness import server as serving
+from dsa_image.validation import serving_modes, vllm_base
 from dsa_image.validation.recipes import port_accepts
 
 # -- layouts ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The memory plan against what vLLM reported for a model it served: KV bytes per token, weights.
 
-For each server log: the plan (dsa_image/memory_plan.py) of the model's config.json (--model),
+For each server log: the plan (dsa_image/serving/memory_plan.py) of the model's config.json (--model),
 served as the log says it was (the vLLM release, --kv-cache-dtype, the attention backend, MTP,
 --kv-cache-memory-bytes and the KV block size; one GPU), set against vLLM's own lines:
 
@@ -36,7 +36,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dsa_image import memory_plan
+from dsa_image.serving import memory_plan
 from dsa_image.validation.serving_modes import LOG_FACTS
 
 WEIGHTS_SLACK_GIB = 0.5

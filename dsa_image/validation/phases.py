@@ -19,8 +19,8 @@ import tarfile
 from pathlib import Path
 from typing import Callable
 
-from dsa_image import realwidth_model, tiny_model
-from dsa_image.recipe import load_recipe
+from dsa_image.build import realwidth_model, tiny_model
+from dsa_image.core.recipe import load_recipe
 from dsa_image.validation.runner import FAILED, INCOMPLETE, OK, Paths, Refused, Session, copy_out, log, matching, tail
 
 # GLM-5 at real width (about 24 GiB of bf16 weights, 43 GiB with the MTP layer): two servers side
@@ -562,7 +562,7 @@ def selftest(s: Session) -> int:
     overlay = s.site_path(p.site_overlay)
     for step, args in (("auto", []), ("refusal", ["--kernels", "b12x"]), ("broken", ["--break", "prefill-long"])):
         report = p.results / f"selftest-{step}.txt"
-        status = s.repo_python("dsa_image.selftest", *args, "--json", p.results / f"selftest-{step}.json",
+        status = s.repo_python("dsa_image.runtime.selftest", *args, "--json", p.results / f"selftest-{step}.json",
                                site=overlay, log_path=report)
         with report.open("a") as f:
             f.write(f"selftest {step} exit: {status}\n")

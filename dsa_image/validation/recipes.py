@@ -35,16 +35,13 @@ import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .. import model_info_cache, tiny_model
-from ..compile_caches import cache_env
-from ..memory_plan import backends
-from ..recipe import Recipe, load_recipe
-from ..site_path import pythonpath
-from ..serving_recipes import (
-    RECIPES_DIR, ServeRecipe, attention_backend, environment, kv_cache_dtype, load_serve_recipe,
-    serve_recipe_names, vllm_args,
-)
-from .serving import answered, prompts, stop
+from dsa_image.build import model_info_cache, tiny_model
+from dsa_image.core.compile_caches import cache_env
+from dsa_image.serving.memory_plan import backends
+from dsa_image.core.recipe import Recipe, load_recipe
+from dsa_image.core.site_path import pythonpath
+from dsa_image.serving.launch import RECIPES_DIR, ServeRecipe, attention_backend, environment, kv_cache_dtype, load_serve_recipe, serve_recipe_names, vllm_args
+from dsa_image.harness.server import answered, prompts, stop
 
 SCALED_TARGET = "sm90"
 LONG_PROMPT = 3000  # > index_topk (2048): the prefill reaches the indexer
@@ -290,7 +287,7 @@ def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, s
     if port_accepts(port):
         raise PortBusy(f"port {port} already accepts connections before {run.name}'s server is started: another "
                        f"server (one left running by an earlier call?) would answer for it; stop it or pass --port")
-    # Compile caches per run, laid out as the image's (compile_caches.py), outside the results,
+    # Compile caches per run, laid out as the image's (dsa_image.core.compile_caches), outside the results,
     # from empty each run but for what the image ships: the model info (model_info_cache.py).
     home = work / f"home-{run.name}"
     env = {**os.environ, **run.env, "HOME": str(home), **cache_env(str(home))}

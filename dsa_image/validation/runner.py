@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dsa_image import realwidth_model
-from dsa_image.site_path import pythonpath
+from dsa_image.build import realwidth_model
+from dsa_image.core.site_path import pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 OK, FAILED = 0, 1

@@ -54,10 +54,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from dsa_image import model_info_cache
-from dsa_image.dist_info import installed_versions
-from dsa_image.spec_decode_metrics import acceptance, counter_delta, settled_spec_counters
-from dsa_image.validation import serving, vllm_base
+from dsa_image.build import model_info_cache
+from dsa_image.core.dist_info import installed_versions
+from dsa_image.runtime.spec_decode_metrics import acceptance, counter_delta, settled_spec_counters
+from dsa_image.harness import server as serving
+from dsa_image.harness.prompts import long_context_model, model_prompt_ids, prompt_token_ids
+from dsa_image.harness.server import wait_each_healthy
+from dsa_image.validation import vllm_base
 
 SHORT_PROMPTS = serving.PROMPT_LENGTHS
 # 65400 + 32 output tokens ends 104 tokens short of 65536: the widest block-table row a
@@ -102,49 +105,6 @@ MODES = {m.name: m for m in (
 
 
 # -- models and prompts -------------------------------------------------------------------------
-
-
-def long_context_model(source: Path, target: Path, max_len: int) -> Path:
-    """A copy of a model directory that allows `max_len` tokens.
-
-    vLLM caps max_model_len at config.json's max_position_embeddings and at tokenizer_config's
-    model_max_length (config/model.py, _get_and_verify_max_len): raising the first alone with
-    --hf-overrides still fails on the second. The rotary cache is sized from the first, so a
-    position past it is never read."""
-    source, target = Path(source), Path(target)
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(source, staging)
-    _set_json(staging / "config.json", "max_position_embeddings", max_len)
-    if (staging / "tokenizer_config.json").is_file():
-        _set_json(staging / "tokenizer_config.json", "model_max_length", max_len)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(staging, target)
-    return target
-
-
-def _set_json(path: Path, key: str, value) -> None:
-    doc = json.loads(path.read_text())
-    doc[key] = value
-    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
-
-
-def model_prompt_ids(token_ids: list[int], length: int, seed_key: str) -> list[int]:
-    """`length` ids drawn from `token_ids`; the same key gives the same prompt anywhere
-    (random.Random seeds a str from its sha512, not from Python's salted hash)."""
-    rng = random.Random(seed_key)
-    return [rng.choice(token_ids) for _ in range(length)]
-
-
-def prompt_token_ids(model_dir: str | Path) -> list[int]:
-    """Ids a prompt may use: the model's vocabulary without its special tokens."""
-    model = Path(model_dir)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    special: set[int] = set()
-    tokenizer_config = model / "tokenizer_config.json"
-    if tokenizer_config.is_file():
-        special = {int(i) for i in json.loads(tokenizer_config.read_text()).get("added_tokens_decoder", {})}
-    return [i for i in range(vocab) if i not in special]
 
 
 def mode_prompts(mode: Mode, token_ids: list[int], batch: str) -> list[list[int]]:
@@ -317,30 +277,6 @@ def resolve_base(requested: str | None, sites: list[str]) -> str | None:
 
 
 # -- running ------------------------------------------------------------------------------------
-
-
-def wait_each_healthy(servers: list[dict], deadline: float, poll_s: float = 1.0,
-                      settled: Callable[[dict], str | None] | None = None) -> dict[str, float | str]:
-    """Seconds from start to healthy per server, or "error: ..." for one that exited or was
-    late. Unlike serving.wait_all_healthy, one server failing (a build that cannot start in a
-    mode) does not stop the others from being waited for and used. `settled(server)` may end
-    the wait for a server that will never be healthy, with its reason (the cluster's controls)."""
-    status: dict[str, float | str] = {}
-    while True:
-        for server in (s for s in servers if s["name"] not in status):
-            try:
-                if serving.is_healthy(server):
-                    status[server["name"]] = round(time.monotonic() - server["started"], 1)
-                elif settled is not None and (reason := settled(server)):
-                    status[server["name"]] = f"error: {reason}"
-            except RuntimeError as exc:  # the process exited
-                status[server["name"]] = f"error: {exc}"
-        if len(status) == len(servers) or time.monotonic() >= deadline:
-            break
-        time.sleep(poll_s)
-    for server in servers:
-        status.setdefault(server["name"], f"error: not healthy in time; see {Path(server['log']).name}")
-    return status
 
 
 def model_for(mode: Mode, args, work_dir: Path) -> str:

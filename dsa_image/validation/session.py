@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dsa_image.recipe import RecipeError, load_recipe
+from dsa_image.core.recipe import RecipeError, load_recipe
 from dsa_image.validation import phases as ph
 from dsa_image.validation.runner import FAILED, INCOMPLETE, OK, Paths, Refused, Session, log
 
@@ -146,7 +146,7 @@ PHASES = {p.name: p for p in (
     Phase("b12x", (ph.need_model,), _env((ph.b12x,)), (), _s(130),
           "the overlay's b12x path with b12x's kernels emulated: exactness, cross-checks, the workspace"),
     Phase("selftest", (ph.need_sites,), _env((ph.selftest,)), (), _s(130),
-          "dsa_image.selftest with this GPU's kernels, its refusal of b12x here and a broken kernel (0, 4, 1)"),
+          "dsa_image.runtime.selftest with this GPU's kernels, its refusal of b12x here and a broken kernel (0, 4, 1)"),
     Phase("b12xserve", (ph.need_model,), _env((ph.b12xserve,)), (), _s(320),
           "the tiny GLM-5 served on the emulated b12x path beside stock, CUDA graphs on"),
     Phase("cluster", (ph.need_cluster,), _env((ph.cluster,)), ("cluster_layouts", "cluster_args",
@@ -154,7 +154,7 @@ PHASES = {p.name: p for p in (
           "stock vs overlay on both GPUs per layout wave (health, Ray nodes, tokens), then the comparison",
           collects=False),
     Phase("realwidth-model", (ph.need_sites,), (ph.realwidth_prepare,), (), _s(120),
-          "write GLM-5 at real width, 4 layers (dsa_image/realwidth_model.py), and its model info per side",
+          "write GLM-5 at real width, 4 layers (dsa_image/build/realwidth_model.py), and its model info per side",
           setup=True),
     Phase("realwidth-equiv", (ph.need_sites,), _env((ph.realwidth_equiv,)), ("realwidth_modes", "modes_timeout_s"),
           _s(420), "GLM-5 at real width, stock vs overlay past 32k tokens with MTP (long-fp8-mtp3: fp8_ds_mla and "

@@ -30,8 +30,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsa_image import lock, wheels
-from dsa_image.recipe import Recipe, RecipeError, load_recipe
+from dsa_image.build import lock
+from dsa_image.core import wheels
+from dsa_image.core.recipe import Recipe, RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 H200_RECORD = REPO / "recipes" / "hosts" / "h200-pip-freeze.txt"

@@ -5,7 +5,7 @@ does), four starts:
 
     before-cold     today's image: the built-in model with the entrypoint's flags as they were,
                     from a HOME as the image's first `docker run` has it (no compile cache, the
-                    model info it ships); meanwhile `dsa_image.precompile build` compiles
+                    model info it ships); meanwhile `dsa_image.build.precompile build` compiles
                     FlashInfer's modules for this GPU into the after-HOME (CPU only, the
                     Dockerfile's precompile stage)
     after-cold      that HOME: the precompiled modules and the recipe's default_model_args
@@ -34,9 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-from dsa_image import entrypoint, precompile
-from dsa_image.recipe import load_recipe
-from dsa_image.validation import serving, startup_phases, warmstart
+from dsa_image.runtime import entrypoint
+from dsa_image.build import precompile
+from dsa_image.core.recipe import load_recipe
+from dsa_image.harness import server as serving
+from dsa_image.validation import startup_phases, warmstart
 
 # Flags serving.start_server gives every server itself (the recipe's values for them).
 GIVEN_BY_HARNESS = ("--load-format", "--served-model-name", "--max-model-len", "--port")
@@ -70,13 +72,13 @@ def _tool_env(args, home: Path) -> dict[str, str]:
 def _precompile(args, home: Path, manifest: Path) -> subprocess.Popen:
     """`precompile build` into `home`'s cache, as the Dockerfile's precompile stage runs it."""
     log = open(Path(args.out) / "precompile-build.log", "w")
-    return subprocess.Popen([sys.executable, "-m", "dsa_image.precompile", "build", "--cuda-arch", args.cuda_arch,
+    return subprocess.Popen([sys.executable, "-m", "dsa_image.build.precompile", "build", "--cuda-arch", args.cuda_arch,
                              "--workspace-base", str(home), "--manifest", str(manifest)],
                             env=_tool_env(args, home), stdout=log, stderr=subprocess.STDOUT, cwd="/tmp")
 
 
 def _check(args, home: Path, manifest: Path) -> dict:
-    result = subprocess.run([sys.executable, "-m", "dsa_image.precompile", "check", "--manifest", str(manifest)],
+    result = subprocess.run([sys.executable, "-m", "dsa_image.build.precompile", "check", "--manifest", str(manifest)],
                             env=_tool_env(args, home), capture_output=True, text=True, cwd="/tmp")
     return {"exit": result.returncode, "output": (result.stdout + result.stderr).strip()[-2000:]}
 

@@ -16,7 +16,7 @@ start does not log (no JIT warm-up, memory profiling instead of a given KV size)
 phase out, its time in the phase before. Seconds are as exact as the lines: vLLM's to 1 s.
 
 Process start is the harness's "dsa-image: server process started at ..." line where the log
-has one (dsa_image.validation.serving writes it), else healthy minus the record's
+has one (dsa_image.harness.server writes it), else healthy minus the record's
 `healthy_after_s`, "healthy" being the "Starting vLLM server on" line (the health poll answers
 within about a second of it): such a start is marked derived.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from dsa_image.validation.serving import JIT_LINE, STARTED, jit_kernel_name
+from dsa_image.harness.server import JIT_LINE, STARTED, jit_kernel_name
 from dsa_image.validation.warmstart import DEEPGEMM_NVCC, FLASHINFER_BUILD
 
 # "(APIServer pid=4385) INFO 12-01 04:03:45 [startup.py:38] ..." (vLLM's format, datefmt %m-%d

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
                         help="the base whose lock's torch is expected (default: the recipe's default)")
     parser.add_argument("--site", type=Path, required=True, help="the site dir first on PYTHONPATH")
     args = parser.parse_args(argv)
-    from dsa_image.recipe import load_recipe
+    from dsa_image.core.recipe import load_recipe
     from dsa_image.validation.stage import needed
 
     return _load(needed(load_recipe(vllm=args.vllm))["torch"].version, args.site)

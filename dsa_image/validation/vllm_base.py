@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsa_image.dist_info import installed_vllm_version
+from dsa_image.core.dist_info import installed_vllm_version
 
 
 def choose(requested: str | None, installed: set[str]) -> str:

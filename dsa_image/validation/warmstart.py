@@ -2,7 +2,7 @@
 
 Start-to-healthy with empty and with warm compile caches, and the first 3,000-token request
 after healthy against the same request once warm, with and without the image's warm-up
-(dsa_image.warmup).
+(dsa_image.runtime.warmup).
 
 Each step starts one server per side (stock and/or overlay, side by side, each with its own
 HOME, which holds every compile cache and is kept from step to step), waits for /health, runs
@@ -18,7 +18,7 @@ those before healthy, during the warm-up and during the first request.
     warm-warmup   warm caches, then the warm-up   (a restart of the image with the volume)
 
 "Empty" is the image's HOME at a first `docker run`: no compile cache, but the model-info
-entries the image builds in (dsa_image/model_info_cache.py), filled once per side into the work
+entries the image builds in (dsa_image/build/model_info_cache.py), filled once per side into the work
 directory with that side's vLLM and copied into its HOME.
 
 On the H200 the steps go in pairs, a cold one first: cold then warm-warmup, cold-warmup then
@@ -48,9 +48,10 @@ import sys
 import time
 from pathlib import Path
 
-from dsa_image import model_info_cache, warmup
-from dsa_image.bench import stream_completion
-from dsa_image.validation import serving
+from dsa_image.build import model_info_cache
+from dsa_image.runtime import warmup
+from dsa_image.bench.paired import stream_completion
+from dsa_image.harness import server as serving
 from dsa_image.validation.serving_modes import model_prompt_ids, prompt_token_ids
 
 STEPS = {  # name: (empty the caches first, run the warm-up)

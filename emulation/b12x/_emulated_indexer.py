@@ -3,7 +3,7 @@
 The functions the dsa-image overlays call, with the signatures and semantics of the release
 ``_release.current()`` names (b12x 0.30.2: b12x/attention/indexer/api.py; 1.5.1:
 b12x/attention/dsa_indexer/_impl.py; both: schedule_metadata.py, tiled_topk.py, kernel.py,
-contiguous_kernel.py), computed by ``dsa_image.indexer_reference``. The release's own modules
+contiguous_kernel.py), computed by ``dsa_image.runtime.indexer_reference``. The release's own modules
 (``b12x.attention.indexer``, ``b12x.attention.dsa_indexer._impl``) re-export them:
 
 - ``contiguous_tiled_topk``: scores the gathered keys a supertile at a time and folds each
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsa_image import indexer_reference as ref
+from dsa_image.runtime import indexer_reference as ref
 
 from . import _release as R
 

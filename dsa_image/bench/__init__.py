@@ -1,0 +1,1 @@
+"""The paired benchmark: overlay against stock, alternating rounds, median ratios."""

@@ -1,0 +1,1 @@
+"""Build time: locks, wheels' arch checks, the bake, the image builds, the models a build makes."""

@@ -1,0 +1,1 @@
+"""Carrying the overlay to a new vLLM base: three-way merge, change tracking, the report."""

@@ -1,0 +1,1 @@
+"""What the image runs: its entrypoint, healthcheck, warm-up and self-test."""

@@ -1,0 +1,1 @@
+"""Serving recipes (recipes/serve/) to launches: docker and vLLM command lines, the memory plan, workarounds."""

@@ -1,0 +1,137 @@
+"""The house's shape: the runtime image carries exactly the code it runs, and each package
+imports only the packages of the layers before it (LAYERS; docs/design.md), so none in a cycle.
+
+The image's `overlay` stage (Dockerfile) copies dsa_image/ file by file or package by package;
+the code it runs is dsa_image/runtime/ (entrypoint, healthcheck, warm-up, self-test) and the
+overlay tool's script the stage copies. What those import, at module level or inside a function, directly or
+not, is the closure; the stage must copy that and nothing else."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "dsa_image"
+
+
+def module_file(name: str) -> Path | None:
+    path = REPO.joinpath(*name.split("."))
+    for candidate in (path / "__init__.py", path.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every dsa_image module name `path` imports anywhere in its body (relative ones resolved)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return {n for n in names if n == "dsa_image" or n.startswith("dsa_image.")}
+
+
+def imported_files(path: Path) -> set[Path]:
+    """The files of the modules `path` imports, with each package's __init__.py on the way."""
+    files = set()
+    for name in imported_names(path):
+        parts = name.split(".")
+        files.update(f for i in range(1, len(parts) + 1) if (f := module_file(".".join(parts[:i]))))
+    return files
+
+
+def closure(roots: set[Path]) -> set[Path]:
+    seen, todo = set(), list(roots)
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            todo.extend(imported_files(path) - seen)
+    return seen
+
+
+def overlay_stage() -> str:
+    text = (REPO / "Dockerfile").read_text()
+    start = text.index("FROM extras AS overlay")
+    return text[start:text.index("\nFROM ", start + 1)]
+
+
+def copied(stage: str) -> tuple[set[Path], set[Path]]:
+    """The dsa_image files and the scripts the stage's COPY instructions take from the context."""
+    files, scripts = set(), set()
+    for line in re.sub(r"\\\n\s*", " ", stage).splitlines():
+        words = line.split()
+        if not words or words[0] != "COPY" or any(w.startswith("--from") for w in words):
+            continue
+        for source in words[1:-1]:
+            path = REPO / source.rstrip("/")
+            if source.startswith("dsa_image"):
+                files.update(path.rglob("*.py") if path.is_dir() else {path})
+            elif source.startswith("scripts/"):
+                scripts.add(path)
+    return {f for f in files if "__pycache__" not in f.parts}, scripts
+
+
+def test_the_runtime_image_copies_exactly_what_its_code_imports():
+    files, scripts = copied(overlay_stage())
+    assert scripts == {REPO / "scripts" / "overlay.py"}
+    roots = set((PACKAGE / "runtime").glob("*.py")) | scripts
+    needed = closure(roots) - scripts
+    missing = sorted(str(p.relative_to(REPO)) for p in needed - files)
+    extra = sorted(str(p.relative_to(REPO)) for p in files - needed)
+    assert not missing, f"the overlay stage misses modules the runtime imports: {missing}"
+    assert not extra, f"the overlay stage copies modules the runtime never imports: {extra}"
+    for concern in ("bench", "smoke", "validation", "upstream", "records"):
+        assert not any((PACKAGE / concern) in f.parents for f in files), concern
+
+
+def test_the_closure_follows_imports_inside_functions_too(tmp_path):
+    # the runtime's lazy imports (the entrypoint's recipe mode) are part of what it runs
+    entrypoint = PACKAGE / "runtime" / "entrypoint.py"
+    assert PACKAGE / "serving" / "launch.py" in imported_files(entrypoint)
+
+
+# The packages in the order they may import each other: each only those before it.
+LAYERS = ("core", "serving", "runtime", "overlay", "rebase", "build", "harness", "smoke", "bench", "upstream",
+          "validation", "records")
+
+
+def package_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else "dsa_image"
+
+
+def package_imports() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for target in imported_files(path):
+            a, b = package_of(path), package_of(target)
+            if a != b and b != "dsa_image":
+                edges.setdefault(a, set()).add(b)
+    return edges
+
+
+def test_every_package_has_its_layer():
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(LAYERS)
+
+
+def test_a_package_imports_only_the_packages_before_it():
+    wrong = sorted(f"{a} imports {b}" for a, targets in package_imports().items() for b in targets
+                   if LAYERS.index(b) >= LAYERS.index(a))
+    assert not wrong, f"imports against the layers {LAYERS}: {wrong} (a cycle, or a layer to move)"
