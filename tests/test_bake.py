@@ -102,7 +102,7 @@ def test_test_target_builds_the_sm120_test_stage_and_exports_its_results(buildx)
     which the image tests read."""
     names = ["test", *(recipe.bake_target("test") for recipe in BASES)]
     printed = _print(names)["target"]
-    for name, recipe in zip(names, [RECIPE, *BASES]):
+    for name, recipe in zip(names, [RECIPE, *BASES], strict=True):
         resolved = printed[name]
         assert resolved["target"] == "test-results"
         assert resolved["args"]["TARGET"] == "sm120" and resolved["args"]["VLLM_VERSION"] == recipe.vllm_version

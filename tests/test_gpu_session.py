@@ -5,7 +5,6 @@ itself runs, on a copy of the repository as a device call carries it."""
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os

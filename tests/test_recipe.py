@@ -150,7 +150,7 @@ def test_set_wheel_sha256_edits_only_that_line(version, platform, sha):
     edited = set_wheel_sha256(text, version, platform, sha)
     parsed = tomllib.loads(edited)
     assert parsed["vllm"][version]["wheels"][platform]["sha256"] == sha
-    changed = [(a, b) for a, b in zip(text.splitlines(), edited.splitlines()) if a != b]
+    changed = [(a, b) for a, b in zip(text.splitlines(), edited.splitlines(), strict=True) if a != b]
     assert len(edited.splitlines()) == len(text.splitlines()) and len(changed) <= 1
     assert set_wheel_sha256(edited, version, platform, sha) == edited  # idempotent, deterministic
 
@@ -161,7 +161,7 @@ def test_set_sdist_sha256_edits_only_that_line(version, sha):
     edited = set_sdist_sha256(text, version, sha)
     assert tomllib.loads(edited)["vllm"][version]["sdist"]["sha256"] == sha
     assert load_recipe("glm5-dsa", vllm=version).sdist.filename == f"vllm-{version}.tar.gz"
-    changed = [(a, b) for a, b in zip(text.splitlines(), edited.splitlines()) if a != b]
+    changed = [(a, b) for a, b in zip(text.splitlines(), edited.splitlines(), strict=True) if a != b]
     assert len(edited.splitlines()) == len(text.splitlines()) and len(changed) <= 1
     with pytest.raises(RecipeError):
         set_sdist_sha256(text, version, "0" * 63)

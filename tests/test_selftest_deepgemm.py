@@ -37,7 +37,7 @@ class Lens:
         self.shape = (len(self.values),)
 
     def __sub__(self, other):
-        return Lens(a - b for a, b in zip(self.values, other.values))
+        return Lens(a - b for a, b in zip(self.values, other.values, strict=True))
 
     def __eq__(self, other):
         return isinstance(other, Lens) and self.values == other.values

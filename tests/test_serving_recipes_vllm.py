@@ -198,7 +198,7 @@ def _flash_attn_stand_in(module: str):
     interface = types.ModuleType(_FLASH_ATTN[1])
     interface.__getattr__ = _kernel_stand_in  # PEP 562: `from ... import name` asks it
     package.flash_attn_interface = interface
-    sys.modules.update(zip(_FLASH_ATTN, (package, interface)))
+    sys.modules.update(zip(_FLASH_ATTN, (package, interface), strict=True))
     try:
         yield
     finally:

@@ -151,7 +151,7 @@ def make_handler(state: FakeVllm):
                 return self._send(200, {"object": "chat.completion", "choices": [{
                     "index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "length",
                     "logprobs": {"content": [{"token": f"w{i}", "logprob": lp}
-                                             for i, lp in zip(out["ids"], out["logprobs"])]}}]})
+                                             for i, lp in zip(out["ids"], out["logprobs"], strict=True)]}}]})
             self._send(404, {"error": "not found"})
 
         def _stream(self, body: dict):
@@ -160,7 +160,7 @@ def make_handler(state: FakeVllm):
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            for i, token in enumerate(out["ids"]):
+            for token in out["ids"]:
                 piece = "" if "empty_text" in state.faults else f" w{token}"
                 chunk = {"choices": [{"index": 0, "text": piece, "token_ids": [token]}]}
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())

@@ -117,7 +117,7 @@ def test_complete_asks_for_the_top_5_as_token_ids():
     sent = server.state.requests[0]
     assert sent["logprobs"] == serving.TOP_LOGPROBS == 5 and sent["return_tokens_as_token_ids"] is True
     assert out["text"] == "" and len(out["token_ids"]) == serving.MAX_TOKENS and serving.answered(out)
-    assert all(top == [t + r for r in range(5)] for t, top in zip(out["token_ids"], out["top_tokens"]))
+    assert all(top == [t + r for r in range(5)] for t, top in zip(out["token_ids"], out["top_tokens"], strict=True))
 
 
 def test_parse_choice_keeps_token_strings_that_are_not_ids():

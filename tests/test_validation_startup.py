@@ -47,7 +47,6 @@ def test_the_four_starts_run_in_order_and_an_after_start_without_its_build_is_re
 def test_the_summary_reads_a_real_start(tmp_path):
     """Run 5's cold start of the overlay, as a start of this phase records it."""
     import json
-    from pathlib import Path
 
     from dsa_image.validation import startup_phases
 

@@ -6,14 +6,12 @@ Stdlib only (runs under any Python that can start vLLM)."""
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import datetime
 import json
 import os
 import random
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -68,7 +66,7 @@ def image_model_info(sides: dict[str, tuple[str, str]], model: Path, root: Path)
         return model_info_cache.fill_with(python, server_env(site, str(cache_root / "home")), Path(model), cache_root)
 
     with concurrent.futures.ThreadPoolExecutor(len(sides)) as pool:
-        return dict(zip(sides, pool.map(fill, sides)))
+        return dict(zip(sides, pool.map(fill, sides), strict=True))
 
 
 def require_image_model_info(sides: dict[str, tuple[str, str]], model: Path, root: Path) -> dict[str, Path]:
@@ -241,17 +239,17 @@ def compare(a: dict, b: dict, lengths=PROMPT_LENGTHS) -> dict:
     token_mismatches, text_mismatches, max_logprob_diff = [], [], 0.0
     top_positions = top_agreeing = top_k = 0
     for mode in ("sequential", "concurrent"):
-        for i, (x, y) in enumerate(zip(a[mode], b[mode])):
+        for i, (x, y) in enumerate(zip(a[mode], b[mode], strict=True)):
             label = f"{mode}[{i}] ({lengths[i]} tokens)"
             if x["token_ids"] != y["token_ids"]:
                 token_mismatches.append(label)
             elif x["text"] != y["text"]:
                 text_mismatches.append(label)
-            diffs = [abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])
+            diffs = [abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=False)
                      if p is not None and q is not None]
             max_logprob_diff = max([max_logprob_diff, *diffs])
             if "top_tokens" in x and "top_tokens" in y:
-                pairs = [(p, q) for p, q in zip(x["top_tokens"], y["top_tokens"]) if p is not None and q is not None]
+                pairs = [(p, q) for p, q in zip(x["top_tokens"], y["top_tokens"], strict=False) if p is not None and q is not None]
                 top_positions += len(pairs)
                 top_agreeing += sum(set(p) == set(q) for p, q in pairs)
                 top_k = max([top_k, *(len(p) for p, _ in pairs)])

@@ -221,8 +221,11 @@ def relink(text: str, members: set[str]) -> str:
             return f"`{shown}`"
         return f"`{name}`" if name == shown or name.endswith(shown) else f"{label} (`{name}`)"
 
-    return "".join(_LINK.sub(lambda m: replace(m, line.startswith("#")), line)
-                   for line in text.splitlines(keepends=True))
+    def relinked(line: str) -> str:
+        heading = line.startswith("#")
+        return _LINK.sub(lambda m: replace(m, heading), line)
+
+    return "".join(relinked(line) for line in text.splitlines(keepends=True))
 
 
 # -- pack, check, extract ------------------------------------------------------------------------

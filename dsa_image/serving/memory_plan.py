@@ -278,42 +278,49 @@ def stage_weights(cfg: Mapping[str, Any], scheme: Scheme, tp: int, pp: int, mtp:
     """Weights on one GPU of each pipeline stage, for tensor parallel `tp`."""
     stages = []
     for stage in range(pp):
-        breakdown: dict[str, float] = {}
-
-        def add(part: str, params: int, in_mtp: bool = False, layer: int | None = None) -> None:
-            size = params * scheme.part_bytes(part, in_mtp, layer) / (tp if PART_SHARDED[part] else 1)
-            key = f"mtp.{part}" if in_mtp and not part.startswith("mtp.") else part
-            breakdown[key] = breakdown.get(key, 0.0) + size
-
-        def add_layer(parts: dict[str, int], in_mtp: bool, layer: int | None = None) -> None:
-            for part, params in parts.items():
-                add(part, params, in_mtp, layer)
-            # vLLM keeps bf16 copies of kv_b_proj (W_UK, W_UV) when it is stored quantised
-            # (mla_attention.py process_weights_after_loading); a bf16 kv_b is only viewed.
-            if scheme.part_bytes("attn.kv_b", in_mtp, layer) != BF16:
-                key = "mtp.attn.kv_b_bf16_copy" if in_mtp else "attn.kv_b_bf16_copy"
-                breakdown[key] = breakdown.get(key, 0.0) + parts["attn.kv_b"] * BF16 / tp
-
         layers = pp_layers(cfg["num_hidden_layers"], pp, stage)
-        for i in layers:
-            add_layer(layer_parts(cfg, is_moe_layer(cfg, i)), False, i)
-        vocab = cfg["vocab_size"] * cfg["hidden_size"]
-        if stage == 0:
-            add("embed", vocab)
-        if stage == pp - 1:
-            add("lm_head", vocab)
-            add("final_norm", cfg["hidden_size"])
-            if mtp:
-                for _ in range(cfg["num_nextn_predict_layers"]):
-                    add_layer(layer_parts(cfg, True), True)
-                    for part, params in mtp_extra_parts(cfg).items():
-                        add(part, params, True)
-                # The drafter shares the target's embedding only without pipeline parallelism
-                # (llm_base_proposer.py _maybe_share_embeddings); lm_head is always shared.
-                if pp > 1:
-                    add("embed", vocab, True)
+        breakdown = _stage_breakdown(cfg, scheme, tp, pp, mtp, stage, layers)
         stages.append(StageWeights(stage, layers, sum(breakdown.values()), breakdown))
     return stages
+
+
+def _stage_breakdown(cfg: Mapping[str, Any], scheme: Scheme, tp: int, pp: int, mtp: bool, stage: int,
+                     layers: range) -> dict[str, float]:
+    """Part -> bytes on one GPU of pipeline stage `stage`."""
+    breakdown: dict[str, float] = {}
+
+    def add(part: str, params: int, in_mtp: bool = False, layer: int | None = None) -> None:
+        size = params * scheme.part_bytes(part, in_mtp, layer) / (tp if PART_SHARDED[part] else 1)
+        key = f"mtp.{part}" if in_mtp and not part.startswith("mtp.") else part
+        breakdown[key] = breakdown.get(key, 0.0) + size
+
+    def add_layer(parts: dict[str, int], in_mtp: bool, layer: int | None = None) -> None:
+        for part, params in parts.items():
+            add(part, params, in_mtp, layer)
+        # vLLM keeps bf16 copies of kv_b_proj (W_UK, W_UV) when it is stored quantised
+        # (mla_attention.py process_weights_after_loading); a bf16 kv_b is only viewed.
+        if scheme.part_bytes("attn.kv_b", in_mtp, layer) != BF16:
+            key = "mtp.attn.kv_b_bf16_copy" if in_mtp else "attn.kv_b_bf16_copy"
+            breakdown[key] = breakdown.get(key, 0.0) + parts["attn.kv_b"] * BF16 / tp
+
+    for i in layers:
+        add_layer(layer_parts(cfg, is_moe_layer(cfg, i)), False, i)
+    vocab = cfg["vocab_size"] * cfg["hidden_size"]
+    if stage == 0:
+        add("embed", vocab)
+    if stage == pp - 1:
+        add("lm_head", vocab)
+        add("final_norm", cfg["hidden_size"])
+        if mtp:
+            for _ in range(cfg["num_nextn_predict_layers"]):
+                add_layer(layer_parts(cfg, True), True)
+                for part, params in mtp_extra_parts(cfg).items():
+                    add(part, params, True)
+            # The drafter shares the target's embedding only without pipeline parallelism
+            # (llm_base_proposer.py _maybe_share_embeddings); lm_head is always shared.
+            if pp > 1:
+                add("embed", vocab, True)
+    return breakdown
 
 
 # -- KV cache ------------------------------------------------------------------------------

@@ -341,54 +341,72 @@ def logged_layout(log: str, layout: Layout) -> dict:
 
 def layout_problems(log: str, layout: Layout, gpus_used: dict | None) -> list[str]:
     """Every way the log and the GPUs held disagree with `layout` (empty: it ran as asked)."""
-    problems = []
-    world, tp_size, pp_size = layout.world_size, layout.tensor_parallel_size, layout.pipeline_parallel_size
+    return _rank_problems(log, layout) + _backend_problems(log, layout) + _gpu_problems(layout, gpus_used)
+
+
+def _rank_problems(log: str, layout: Layout) -> list[str]:
+    """The world size and each rank's TP/PP place, as vLLM logged them."""
+    world = layout.world_size
     assigned, started = logged_ranks(log), started_ranks(log)
     worlds = sorted({r["world_size"] for r in assigned + started})
     if not worlds:
-        problems.append(f"the log names no rank (vLLM's 'rank R in world size W is assigned as ...' or "
-                        f"'world_size=W rank=R ...'); expected ranks 0-{world - 1} of world size {world}")
-    elif worlds != [world]:
-        problems.append(f"world size: expected {world} (tensor x pipeline parallel), the log says "
-                        f"{', '.join(map(str, worlds))}")
-    else:
-        # A rank counts when it logged either line: vLLM logs the assignment of each node's
-        # first rank only, so TP=2 on one host names rank 1 in the world-group line alone.
-        missing = sorted(set(range(world)) - {r["rank"] for r in assigned + started})
-        if missing:
-            problems.append(f"ranks {missing} of world size {world} never logged their assignment")
-        if not assigned:
-            problems.append("no rank logged its TP/PP assignment ('rank R in world size W is assigned as ...'; "
-                            "vLLM logs it for the first rank of each node)")
-        for what, size in (("tp_rank", tp_size), ("pp_rank", pp_size)):
-            found = sorted({r[what] for r in assigned})
-            if not set(found) <= set(range(size)):
-                problems.append(f"{what.replace('_', ' ').upper()}s: expected 0-{size - 1}, the log names {found}")
-        # vLLM orders ranks TP first, then PCP, then PP (parallel_state.py initialize_model_parallel:
-        # arange(world_size).reshape(-1, DP, PP, PCP, TP)); the smoke refuses DP and PCP sizes.
-        for r in assigned:
-            want = (r["rank"] % tp_size, r["rank"] // tp_size % pp_size)
-            if (r["tp_rank"], r["pp_rank"]) != want and r["rank"] < world:
-                problems.append(f"rank {r['rank']} logged TP rank {r['tp_rank']}, PP rank {r['pp_rank']}; "
-                                f"TP {tp_size} x PP {pp_size} puts it at TP rank {want[0]}, PP rank {want[1]}")
-        # The workers' names tell the degrees apart where only rank 0 logged its assignment (TP=2
-        # and PP=2 both put rank 0 at TP 0, PP 0).
-        for name in worker_names(log):
-            for key, size in (("TP", tp_size), ("PP", pp_size)):
-                if key in name and name[key] >= size:
-                    problems.append(f"a worker named {key} rank {name[key]} ({name}); expected {key} ranks "
-                                    f"0-{size - 1}")
+        return [f"the log names no rank (vLLM's 'rank R in world size W is assigned as ...' or "
+                f"'world_size=W rank=R ...'); expected ranks 0-{world - 1} of world size {world}"]
+    if worlds != [world]:
+        return [f"world size: expected {world} (tensor x pipeline parallel), the log says "
+                f"{', '.join(map(str, worlds))}"]
+    problems = []
+    # A rank counts when it logged either line: vLLM logs the assignment of each node's
+    # first rank only, so TP=2 on one host names rank 1 in the world-group line alone.
+    missing = sorted(set(range(world)) - {r["rank"] for r in assigned + started})
+    if missing:
+        problems.append(f"ranks {missing} of world size {world} never logged their assignment")
+    if not assigned:
+        problems.append("no rank logged its TP/PP assignment ('rank R in world size W is assigned as ...'; "
+                        "vLLM logs it for the first rank of each node)")
+    return problems + _placement_problems(log, layout, assigned)
+
+
+def _placement_problems(log: str, layout: Layout, assigned: list[dict]) -> list[str]:
+    problems = []
+    world, tp_size, pp_size = layout.world_size, layout.tensor_parallel_size, layout.pipeline_parallel_size
+    for what, size in (("tp_rank", tp_size), ("pp_rank", pp_size)):
+        found = sorted({r[what] for r in assigned})
+        if not set(found) <= set(range(size)):
+            problems.append(f"{what.replace('_', ' ').upper()}s: expected 0-{size - 1}, the log names {found}")
+    # vLLM orders ranks TP first, then PCP, then PP (parallel_state.py initialize_model_parallel:
+    # arange(world_size).reshape(-1, DP, PP, PCP, TP)); the smoke refuses DP and PCP sizes.
+    for r in assigned:
+        want = (r["rank"] % tp_size, r["rank"] // tp_size % pp_size)
+        if (r["tp_rank"], r["pp_rank"]) != want and r["rank"] < world:
+            problems.append(f"rank {r['rank']} logged TP rank {r['tp_rank']}, PP rank {r['pp_rank']}; "
+                            f"TP {tp_size} x PP {pp_size} puts it at TP rank {want[0]}, PP rank {want[1]}")
+    # The workers' names tell the degrees apart where only rank 0 logged its assignment (TP=2
+    # and PP=2 both put rank 0 at TP 0, PP 0).
+    for name in worker_names(log):
+        for key, size in (("TP", tp_size), ("PP", pp_size)):
+            if key in name and name[key] >= size:
+                problems.append(f"a worker named {key} rank {name[key]} ({name}); expected {key} ranks "
+                                f"0-{size - 1}")
+    return problems
+
+
+def _backend_problems(log: str, layout: Layout) -> list[str]:
     placed_by_ray = ray_from_log(log)["placement_group_logged"]
     if layout.backend == "ray" and not placed_by_ray:
-        problems.append("--distributed-executor-backend ray, but the log shows no Ray placement group "
-                        f"(vLLM logs '{RAY_PLACEMENT_LOGS[0]}' or '{RAY_PLACEMENT_LOGS[1]}')")
+        return ["--distributed-executor-backend ray, but the log shows no Ray placement group "
+                f"(vLLM logs '{RAY_PLACEMENT_LOGS[0]}' or '{RAY_PLACEMENT_LOGS[1]}')"]
     if layout.backend == "mp" and placed_by_ray:
-        problems.append("--distributed-executor-backend mp, but the log shows vLLM placing workers with Ray")
+        return ["--distributed-executor-backend mp, but the log shows vLLM placing workers with Ray"]
+    return []
+
+
+def _gpu_problems(layout: Layout, gpus_used: dict | None) -> list[str]:
     held = (gpus_used or {}).get("gpus")
-    if held is not None and len(held) < world:
-        problems.append(f"{world} GPUs expected, the server's processes hold {len(held)}: "
-                        + (", ".join(f"{g['index']} ({g['name']})" for g in held) or "none"))
-    return problems
+    if held is not None and len(held) < layout.world_size:
+        return [f"{layout.world_size} GPUs expected, the server's processes hold {len(held)}: "
+                + (", ".join(f"{g['index']} ({g['name']})" for g in held) or "none")]
+    return []
 
 
 # --- /dev/shm, where vLLM's workers and Ray's object store share memory ---------------------

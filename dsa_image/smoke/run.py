@@ -188,7 +188,7 @@ def _stop(server: Server, report: Report) -> str:
             report.server_exit = {"exit_code": code, "while": "during the run"}
     except Exception as e:
         report.errors.append(f"reading the server's state failed: {e}")
-    for attempt in range(3):
+    for _attempt in range(3):
         try:
             server.stop()
             break

@@ -315,7 +315,7 @@ def compare_with_reference(case: GlueCase, inputs: dict, chosen, result: CaseRes
 
     pages = ref.cache_pages(inputs["cache"])
     start = 0
-    for r, (q_len, seq_len) in enumerate(zip(case.spec.query_lens, case.spec.seq_lens)):
+    for r, (q_len, seq_len) in enumerate(zip(case.spec.query_lens, case.spec.seq_lens, strict=True)):
         rows = slice(start, start + q_len)
         context = torch.arange(seq_len - q_len + 1, seq_len + 1, device=DEVICE)
         logits = ref.request_logits(inputs["q"][rows], inputs["weights"][rows], pages, B.BLOCK_SIZE,
@@ -526,7 +526,7 @@ def main(argv=None) -> int:
     report["b12x_wheel_crosscheck"] = b12x_crosscheck.run(b12x_emulation.emulation_dir())
     report["workspace"] = reserve_and_lock_workspace(args.model, base)
     results = [run_case(args.model, case, base) for case in cases]
-    verdicts = {r.name: case_verdict(c, r) for c, r in zip(cases, results)}
+    verdicts = {r.name: case_verdict(c, r) for c, r in zip(cases, results, strict=True)}
     report["cases"] = [{**asdict(r), "ok": r.ok and not verdicts[r.name], "verdict": verdicts[r.name]}
                        for r in results]
     report["selftest_b12x_emulated"] = run_selftest_b12x()

@@ -86,7 +86,7 @@ def explain_taps(stock_dir: Path, b12x_dir: Path) -> list[dict]:
 
     stock = sorted(stock_dir.glob("deepgemm-*.pt"))
     emulated = sorted(b12x_dir.glob("b12x-*.pt"))
-    return [explain_call(torch.load(a), torch.load(b)) for a, b in zip(stock, emulated)]
+    return [explain_call(torch.load(a), torch.load(b)) for a, b in zip(stock, emulated, strict=True)]
 
 
 def explain_call(stock: dict, emulated: dict) -> dict:

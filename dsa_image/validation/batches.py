@@ -26,7 +26,7 @@ class BatchSpec:
 
     def __post_init__(self):
         assert len(self.query_lens) == len(self.seq_lens)
-        assert all(0 <= q <= s for q, s in zip(self.query_lens, self.seq_lens))
+        assert all(0 <= q <= s for q, s in zip(self.query_lens, self.seq_lens, strict=True))
 
     @property
     def num_reqs(self) -> int:

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         for spec in specs:
             table = B.random_block_table(rng, spec.num_reqs, width, probe.NUM_BLOCKS)
             cm = probe.make_common_metadata(spec, table)
-            builds = {name: (lambda b=b: b.build(0, cm)) for name, b in builders.items()}
+            builds = {name: (lambda b=b, cm=cm: b.build(0, cm)) for name, b in builders.items()}
             built = {}
             for name, build in builds.items():  # also the warm-up call of each
                 md = build()

@@ -109,7 +109,7 @@ def make_common_metadata(spec: B.BatchSpec, block_table: np.ndarray):
     seq = np.asarray(spec.seq_lens, dtype=np.int32)
     slots = [
         int(block_table[r, p // B.BLOCK_SIZE]) * B.BLOCK_SIZE + p % B.BLOCK_SIZE
-        for r, (q, s) in enumerate(zip(spec.query_lens, spec.seq_lens))
+        for r, (q, s) in enumerate(zip(spec.query_lens, spec.seq_lens, strict=True))
         for p in range(s - q, s)
     ]
     seq_cpu = torch.from_numpy(seq)
@@ -182,7 +182,7 @@ def run_scenarios(model_dir: str) -> dict:
         for spec in specs:
             table = B.random_block_table(rng, spec.num_reqs, runner_width, NUM_BLOCKS)
             cm = make_common_metadata(spec, table)
-            build = lambda: builder.build(0, cm)  # noqa: E731
+            build = lambda builder=builder, cm=cm: builder.build(0, cm)  # noqa: E731
             build()  # first build: JIT and allocator warm-up stay out of the counts
             md = build()
             torch.cuda.synchronize()
@@ -294,7 +294,7 @@ def check_b12x_path(model_dir: str) -> dict:
             for spec in B.standard_batches(SEED, MAX_MODEL_LEN)[next_n]:
                 table = B.random_block_table(rng, spec.num_reqs, 128, NUM_BLOCKS)
                 cm = make_common_metadata(spec, table)
-                build = lambda: builder.build(0, cm)  # noqa: E731
+                build = lambda builder=builder, cm=cm: builder.build(0, cm)  # noqa: E731
                 md = build()
                 torch.cuda.synchronize()
                 syncs, sync_sites = count_syncs(build)

@@ -44,15 +44,12 @@ import argparse
 import http.client
 import json
 import os
-import random
 import re
 import shlex
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from dsa_image.build import model_info_cache
 from dsa_image.core.dist_info import installed_versions

@@ -261,7 +261,7 @@ def write_stage(staged: list[Staged], files: dict[str, Path], out: Path, part_by
         parts.close()
     text = selection_text(staged, files)
     (out / SELECTION).write_text(text)
-    sums = [(d.hexdigest(), path.name) for d, path in zip(parts.part_digests, parts.paths)]
+    sums = [(d.hexdigest(), path.name) for d, path in zip(parts.part_digests, parts.paths, strict=True)]
     sums += [(parts.digest.hexdigest(), BUNDLE), (wheels.sha256_bytes(text.encode()), SELECTION)]
     (out / SUMS).write_text("".join(f"{digest}  {name}\n" for digest, name in sums))
     return parts

@@ -225,7 +225,7 @@ def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Pa
     try:
         healthy = serving.wait_all_healthy(servers, time.monotonic() + args.timeout)
         token_ids = prompt_token_ids(args.model)
-        for side, server in zip(sides, servers):
+        for side, server in zip(sides, servers, strict=True):
             side_report = measure_side(server, step, run_warmup, token_ids, args.goal_factor)
             side_report["healthy_after_s"] = healthy[server["name"]]
             ready = healthy[server["name"]] + side_report.get("warmup", {}).get("seconds", 0.0)
@@ -236,7 +236,7 @@ def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Pa
     finally:
         for server in servers:
             serving.stop(server)
-    for side, server in zip(sides, servers):
+    for side, server in zip(sides, servers, strict=True):
         report["sides"].setdefault(side, {})["server_log"] = os.path.basename(server["log"])
         report["sides"][side]["cache_mib"] = cache_sizes(homes[side])
         report["sides"][side]["deepgemm_log"] = deepgemm_lines(server["log"])
