@@ -18,6 +18,7 @@ import pytest
 
 from dsa_image.overlay import cli as overlay
 from dsa_image.rebase import cli as rebase
+from dsa_image.rebase import report as rebase_report
 from dsa_image.core import wheels
 from dsa_image.overlay.manifest import (Change, Entry, Manifest, ManifestError, Signature, check_changes, fold_changes,
                                 manifest_bytes, parse_manifest)
@@ -705,7 +706,7 @@ def test_every_conflict_is_placed_in_a_change_and_the_rest_is_listed(real):
         unplaced = [h for h in item["hunks"] if h["hunk"] in item["unattributed_hunks"]]
         assert len(unplaced) <= 2 and all(h["merge"] == "clean" for h in unplaced), (path, unplaced)
         for hunk in unplaced:
-            assert f"{hunk['hunk']} (clean; ours lines {rebase._span_words(hunk['ours'])})" in markdown
+            assert f"{hunk['hunk']} (clean; ours lines {rebase_report._span_words(hunk['ours'])})" in markdown
 
 
 def test_the_committed_report_names_its_command_and_its_markdown_is_its_json():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsa_image.harness import server as serving
-from dsa_image.validation import cluster
+from dsa_image.validation import cluster, cluster_plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -820,8 +820,9 @@ def run_fake_call(tmp_path, monkeypatch, layouts: str, probes: dict, ray_root: P
     (model / "config.json").write_text(json.dumps({"vocab_size": 1024}))
     monkeypatch.setenv("FAKE_REGISTRY", str(tmp_path / "registry"))
     monkeypatch.setattr(cluster, "probe_isolation", lambda: probes)
-    # A tag of this test's own: the call's sweeps must not touch another run's processes.
-    monkeypatch.setattr(cluster, "TAG_PREFIX", f"dsa-cluster-test-{os.getpid()}-{tmp_path.name}:")
+    # A tag of this test's own: the call's sweeps must not touch another run's processes. Patched
+    # where the call reads it (cluster_plan.TAG_PREFIX), not a copy of it.
+    monkeypatch.setattr(cluster_plan, "TAG_PREFIX", f"dsa-cluster-test-{os.getpid()}-{tmp_path.name}:")
     out = tmp_path / "out"
     code = cluster.main([
         "run", "--layouts", layouts, "--model", str(model), "--stock-site", str(tmp_path / "site-stock"),
@@ -853,7 +854,7 @@ def test_a_whole_call_serves_compares_records_and_leaves_nothing_running(tmp_pat
     # No isolation here: the two-node run without @METHOD is recorded as not run, with the reason.
     assert not runs["ray2-tp2"]["ok"] and "CAP_SYS_ADMIN" in runs["ray2-tp2"]["problems"][0]
     assert code == 1
-    assert cluster.tagged_pids(cluster.TAG_PREFIX) == {}
+    assert cluster.tagged_pids(cluster_plan.TAG_PREFIX) == {}
     assert cluster.main(["compare", "--out", str(out), str(out)]) == 1  # the not-run record fails it
     doc = json.loads((out / "cluster.json").read_text())
     assert doc["runs"]["ray1-tp2"]["vs_reference"]["identical_tokens"] is True

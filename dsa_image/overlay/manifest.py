@@ -19,7 +19,7 @@ here. `anchors` are the upstream names (bound symbols like Class.method, or iden
 change's hunks touch in the base file; `introduces` the names it adds there (both place its
 hunks); `signatures` are what its presence upstream would look like in a release's source;
 `tests` are pytest node ids of its behavioural tests.
-`scripts/overlay.py rebase` (dsa_image/rebase/cli.py) reads them.
+`scripts/overlay.py rebase` (dsa_image/rebase/changes.py) reads them.
 """
 
 from __future__ import annotations

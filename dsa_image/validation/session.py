@@ -58,7 +58,7 @@ DEFAULT_DEADLINE_S = 540.0
 # These GPUs are shared: NVLink multicast stays off in NCCL, PyTorch and NVSHMEM, and FlashInfer's
 # all-reduce (vLLM 0.33.0's default, GLM-5's fused all-reduce + RMSNorm) takes its TRT-LLM
 # workspace, which creates no multicast object (its MNNVL one calls cuMulticastCreate). The
-# cluster phase sets its own per layout (dsa_image/validation/cluster.py, ALLREDUCE_GUARD).
+# cluster phase sets its own per layout (dsa_image/validation/cluster_plan.py, ALLREDUCE_GUARD).
 SESSION_ENV = {"PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                "NVSHMEM_DISABLE_NVLS": "1", "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm",
                "VLLM_DISABLE_COMPILE_CACHE": "1"}
