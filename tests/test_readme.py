@@ -112,18 +112,25 @@ def test_every_relative_link_in_the_docs_names_a_file_and_section_that_exist():
     assert not broken, "\n".join(broken)
 
 
+def test_the_readme_points_to_the_b12x_section():
+    assert "docs/image.md#the-b12x-indexer-and-its-variables-sm120-image" in README
+    assert "the-b12x-indexer-and-its-variables-sm120-image" in anchors(B12X_DOC.read_text())
+
+
 # -- the b12x section: every variable, version and default it names is an image's own ---------
 # Facts come from the recipe and each base's overlay source (its b12x module's constants and
 # functions); tests/test_b12x_api.py ties those constants to the pinned b12x wheels.
 
-B12X_SECTION = "### The b12x indexer and its variables"
+# The section lives in docs/image.md (the README points there); it is that doc's level-2 section.
+B12X_DOC = REPO / "docs" / "image.md"
+B12X_SECTION = "\n## The b12x indexer and its variables"
 ENV_NAME = re.compile(r"\b(?:VLLM|B12X)_[A-Z0-9_]+\b")
 RELEASE = re.compile(r"\b\d+\.\d+\.(?:\d+|x)\b")  # 1.5.1, 1.5.x; not compute capability 12.0
 
 
 def _b12x_items() -> list[str]:
     """The section's paragraphs and list items, each on one line."""
-    section = README.split(B12X_SECTION, 1)[1].split("\n## ", 1)[0].split("\n", 1)[1]
+    section = B12X_DOC.read_text().split(B12X_SECTION, 1)[1].split("\n## ", 1)[0].split("\n", 1)[1]
     return [" ".join(item.split()) for item in re.split(r"\n(?=- )|\n\n", section) if item.strip()]
 
 
@@ -250,3 +257,32 @@ def test_the_readme_says_what_disk_a_build_needs_as_the_recorded_run_measured_it
     disk = (REPO / "docs" / "image.md").read_text().split("### Disk\n", 1)[1].split("\n## ", 1)[0]
     assert len(figures) >= 3 and all(figure in disk for figure in figures), (figures, disk)
     assert "docs/image.md#disk" in paragraph
+
+
+# -- the README's shape: short, for users, in the order a new user needs it ---------------------
+
+README_MAX_LINES = 200
+# Words of the README's level-2 headings, in the order they must come.
+README_SECTIONS = ["Quick start", "Prerequisites", "Build", "Serve the built-in", "Serve a real model",
+                   "Verify", "What was proven", "Develop"]
+
+
+def test_the_readme_is_at_most_200_lines():
+    assert len(README.splitlines()) <= README_MAX_LINES
+
+
+def test_the_readmes_sections_come_in_the_order_a_new_user_needs_them():
+    headings = [line[3:] for line in README.splitlines() if line.startswith("## ")]
+    assert len(headings) == len(README_SECTIONS), headings
+    for heading, words in zip(headings, README_SECTIONS):
+        assert heading.startswith(words), (heading, words)
+
+
+def test_the_readme_has_one_table_of_what_was_proven_each_row_linking_its_record():
+    section = README.split("\n## What was proven\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| claim ")]
+    assert rows
+    tables = [block for block in section.split("\n\n") if block.lstrip().startswith("|")]
+    assert len(tables) == 1, "one table"
+    for row in rows:
+        assert re.search(r"\]\(docs/(?:validation|benchmarks)/[^/)]+/README\.md\)", row), row

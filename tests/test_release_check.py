@@ -72,6 +72,32 @@ def test_a_readme_claim_speaks_for_the_records_it_links(tmp_path):
     assert "names no record whose raw data holds a receipt" in problem
 
 
+def test_the_summaries_the_readmes_details_moved_to_are_claim_docs_too(tmp_path):
+    """The README points to docs/validation/README.md and docs/benchmarks/README.md for the
+    details: a claim there speaks for the records it links, relative to its own directory."""
+    receipt = _receipt("0.33.0", "m1")
+    tree = _tree(tmp_path, "# x\n", "# run\n", receipt, "e" * 64)
+    summary = tree.repo / "docs" / "benchmarks" / "README.md"
+    summary.parent.mkdir()
+    summary.write_text("| run | receipt = the bake's `RECEIPT_SHA256` | [run](../validation/run/README.md) |\n")
+    assert release_check.linked_records(tree, Path("docs/benchmarks/README.md"), summary.read_text()) == [
+        Path("docs/validation/run")]
+    (problem,) = release_check.check_receipts(tree)
+    assert problem.startswith("docs/benchmarks/README.md: ") and "no run it speaks for ran eeeeeeeeeeee…" in problem
+    (tree.repo / "docs" / "validation" / "README.md").write_text("See [run](run/README.md#x), [it](https://example.com/a).\n")
+    assert release_check.linked_records(tree, Path("docs/validation/README.md"), "[run](run/README.md#x) [it](https://x/y)") == [
+        Path("docs/validation/run")]
+
+
+def test_a_figure_a_summary_states_is_held_to_the_results(tmp_path):
+    tree = _tree(tmp_path, "It serves 10–16% fewer output tokens/s.\n", "# run\n", _receipt("0.33.0", "m"), "e" * 64)
+    assert release_check._readme_says(tree, r"\d+–\d+% fewer output tokens/s", "10–16% fewer output tokens/s")[0]
+    (tree.repo / "docs" / "benchmarks").mkdir()
+    (tree.repo / "docs" / "benchmarks" / "README.md").write_text("0.33.0 serves 10–17% fewer output\ntokens/s.\n")
+    holds, message = release_check._readme_says(tree, r"\d+–\d+% fewer output tokens/s", "10–16% fewer output tokens/s")
+    assert not holds and message.startswith("docs/benchmarks/README.md says '10–17% fewer output tokens/s'")
+
+
 def test_a_receipt_said_in_the_past_is_no_claim(tmp_path):
     receipt = _receipt("0.33.0", "m1")
     text = "Its receipt was the `RECEIPT_SHA256` that `docker-bake.json` predicted then.\n"

@@ -8,10 +8,11 @@ green. The claims that do tie history to today, or figures to prose, are checked
   receipts   a sentence that calls a receipt "the bake's `RECEIPT_SHA256`", or says
              `docker-bake.json` predicts it, holds for today's docker-bake.json: each receipt it
              names by hash (`a3d21063…`), else one of each vLLM version among the receipts of
-             the records it speaks for (its own record; in README.md the records it links)
+             the records it speaks for (its own record; in README.md and the summaries of
+             docs/validation/ and docs/benchmarks/, CLAIM_DOCS, the records it links)
   benchmarks the figures the benchmark records state in prose are what their results give, and
-             so is each of them README.md states and each row of its ratio tables (README.md
-             may drop a claim; it may not get one wrong)
+             so is each of them a claim doc (README.md, the two summaries) states and each
+             row of their ratio tables (a doc may drop a claim; it may not get one wrong)
   rebase     docs/rebase/vllm-0.24.0-to-0.33.0 is what `overlay.py rebase` writes today
   h200       recipes/hosts/h200-pip-freeze.txt (staging's input) holds the Python, torch and
              Triton the H200 runs recorded
@@ -51,9 +52,13 @@ BASES = Path("docs/benchmarks/h200-2026-12-01-vllm0_24_0-vs-vllm0_33_0")
 MTP2 = Path("docs/benchmarks/h200-2026-12-01-vllm0_33_0-mtp2")
 HOST_TIME_RUN = Path("docs/validation/h200-2026-11-30-overlay-c2b8469b")
 README = Path("README.md")
+# The docs that state claims about several records: the README and the summaries its details
+# moved to. Each is checked where it exists (a made-up tree may have only the README).
+CLAIM_DOCS = (README, Path("docs/validation/README.md"), Path("docs/benchmarks/README.md"))
 CLAIM = re.compile(r"the bake's `RECEIPT_SHA256`|`docker-bake\.json` predicts|`RECEIPT_SHA256` of .{0,60}? in `docker-bake\.json`")
 HASH = re.compile(r"`([0-9a-f]{8,64})(?:…([0-9a-f]{2,}))?…?`")
-RECORD_LINK = re.compile(r"\]\((docs/(?:validation|benchmarks)/[^/)#]+)/")
+LINK = re.compile(r"\]\(([^)\s#]+)")
+RECORD_ROOTS = ("docs/validation", "docs/benchmarks")
 
 
 @dataclass
@@ -109,6 +114,30 @@ def blocks(text: str) -> list[str]:
     return [block for block in [*found, " ".join(current)] if block]
 
 
+def _claim_docs(tree: Tree) -> list[Path]:
+    return [doc for doc in CLAIM_DOCS if (tree.repo / doc).is_file()]
+
+
+def linked_records(tree: Tree, doc: Path, block: str) -> list[Path]:
+    """The records (docs/validation/NAME, docs/benchmarks/NAME) a block of `doc` links to, its
+    relative links resolved from the doc's own directory."""
+    found = set()
+    for link in LINK.findall(block):
+        if re.match(r"[a-z]+:", link):
+            continue
+        parts = Path(*(tree.repo / doc).parent.relative_to(tree.repo).parts, link).parts
+        resolved: list[str] = []
+        for part in parts:
+            if part == "..":
+                if resolved:
+                    resolved.pop()
+            elif part != ".":
+                resolved.append(part)
+        if len(resolved) >= 4 and "/".join(resolved[:2]) in RECORD_ROOTS:
+            found.add(Path(*resolved[:3]))
+    return sorted(found)
+
+
 def _bake_receipts(repo: Path) -> dict[str, str]:
     bases = json.loads((repo / "docker-bake.json").read_text())["variable"]["VLLM"]["default"]
     return {version: entry["RECEIPT_SHA256"] for version, entry in bases.items()}
@@ -134,13 +163,13 @@ def _claim_problems(block: str, ran: dict[str, str], bake: dict[str, str], where
 
 def check_receipts(tree: Tree) -> list[str]:
     bake = _bake_receipts(tree.repo)
-    docs = [(README, None)] + [(r.relative_to(tree.repo) / records.README, r.relative_to(tree.repo))
+    docs = [(doc, None) for doc in _claim_docs(tree)] + [(r.relative_to(tree.repo) / records.README, r.relative_to(tree.repo))
                                            for r in records.record_dirs(tree.repo)]
     found = []
     for doc, record in docs:
         for block in blocks((tree.repo / doc).read_text()):
             if CLAIM.search(block):
-                spoken_for = [record] if record else sorted({Path(p) for p in RECORD_LINK.findall(block)})
+                spoken_for = [record] if record else linked_records(tree, doc, block)
                 ran = {sha: v for r in spoken_for for sha, v in receipts(tree, r).items()}
                 found += _claim_problems(block, ran, bake, str(doc))
     return found
@@ -155,10 +184,11 @@ def _says(tree: Tree, doc: Path, phrase: str) -> tuple[bool, str]:
 
 
 def _readme_says(tree: Tree, pattern: str, phrase: str) -> tuple[bool, str]:
-    """Where README.md states the claim `pattern` finds, it reads `phrase` (a README that no
+    """Where a claim doc states the claim `pattern` finds, it reads `phrase` (a doc that no
     longer makes the claim is not wrong)."""
-    wrong = [said for said in re.findall(pattern, tree.flat(README)) if said != phrase]
-    return not wrong, f"README.md says {wrong[0] if wrong else ''!r} where the recorded results give {phrase!r}"
+    wrong = [(doc, said) for doc in _claim_docs(tree) for said in re.findall(pattern, tree.flat(doc)) if said != phrase]
+    doc, said = wrong[0] if wrong else (README, "")
+    return not wrong, f"{doc} says {said!r} where the recorded results give {phrase!r}"
 
 
 def check_benchmarks(tree: Tree) -> list[str]:
@@ -167,7 +197,7 @@ def check_benchmarks(tree: Tree) -> list[str]:
 
 
 def _readme_tables(tree: Tree) -> list[str]:
-    """Every row of a ratio table in README.md is a row `scripts/bench.py table` prints for a
+    """Every row of a ratio table in a claim doc is a row `scripts/bench.py table` prints for a
     benchmark record."""
     rows = set()
     for record in records.record_dirs(tree.repo):
@@ -175,8 +205,9 @@ def _readme_tables(tree: Tree) -> list[str]:
             found = sorted(n for n in records.read_archive(record) if n.rsplit("/", 1)[-1] == "results.json")
             rows |= set(bench.table([tree.results(record.relative_to(tree.repo), n) for n in found]).splitlines())
     ratio_row = re.compile(r"^\| [\w.-]+ \| \d+ \| \d+\.\d{3} \[")
-    return [f"README.md: the row {line!r} is no benchmark record's (`scripts/bench.py table RESULTS`)"
-            for line in (tree.repo / README).read_text().splitlines() if ratio_row.match(line) and line not in rows]
+    return [f"{doc}: the row {line!r} is no benchmark record's (`scripts/bench.py table RESULTS`)"
+            for doc in _claim_docs(tree)
+            for line in (tree.repo / doc).read_text().splitlines() if ratio_row.match(line) and line not in rows]
 
 
 def _start_up(tree: Tree) -> list[str]:
@@ -220,14 +251,14 @@ def _interval_count(tree: Tree) -> list[str]:
     said = (f"Of the {len(verdicts)} intervals ({len(workloads)} workloads, {len(bench.METRICS)} metrics), "
             f"{verdicts.count('within interval')} contain 1 and one lies below it, in the overlay's favour ({', '.join(ahead)})")
     return _failed([(len(ahead) == 1 == len(verdicts) - verdicts.count("within interval"),
-                     f"README.md counts one interval in the overlay's favour and none against; the results have "
+                     f"the docs count one interval in the overlay's favour and none against; the results have "
                      f"{', '.join(ahead) or 'none'} in favour, {len(verdicts) - verdicts.count('within interval') - len(ahead)} against"),
                     _readme_says(tree, r"Of the \d+ intervals \(.*?\), \d+ contain 1 and [^(]*\([^)]*\)", said)])
 
 
 def _build_saving(tree: Tree) -> list[str]:
     """The 0.24.0 overlay's build() saving (its H200 host-time record) set against the TPOT gap of
-    the bases' run, as README.md and the bases' record cite them."""
+    the bases' run, as the claim docs and the bases' record cite them."""
     host = json.loads((tree.raw(HOST_TIME_RUN) / "host-time.json").read_text())
     (bs1,) = [s for s in host["scenarios"] if s["scenario"] == "decode_bs1"]
     (c1,) = [w for w in tree.results(BASES)["workloads"] if w["name"] == "512x128-c1"]
