@@ -6,7 +6,7 @@
     python3 scripts/serve.py glm-5-fp8-8xb200 --set max_model_len=65536 -- --enable-log-requests
 
 Needs only Python 3.11+ (no GPU for --list and --dry-run). The same runs inside the image:
-docker run IMAGE recipe --list. Exit codes: `--help`; dsa_image/serving/launch.py.
+docker run IMAGE recipe --list. Exit codes: `--help`; dsa_image/serving/cli.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dsa_image.serving.launch import main  # noqa: E402
+from dsa_image.serving.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(prog="scripts/serve.py"))

@@ -103,7 +103,7 @@ def test_the_runtime_image_copies_exactly_what_its_code_imports():
 def test_the_closure_follows_imports_inside_functions_too(tmp_path):
     # the runtime's lazy imports (the entrypoint's recipe mode) are part of what it runs
     entrypoint = PACKAGE / "runtime" / "entrypoint.py"
-    assert PACKAGE / "serving" / "launch.py" in imported_files(entrypoint)
+    assert PACKAGE / "serving" / "cli.py" in imported_files(entrypoint)
 
 
 # The packages in the order they may import each other: each only those before it.

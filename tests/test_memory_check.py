@@ -16,7 +16,7 @@ from dsa_image.overlay import cli as overlay
 from dsa_image.build import realwidth_model, tiny_model
 from dsa_image.core import wheels
 from dsa_image.core.recipe import load_every_base
-from dsa_image.serving.launch import load_model
+from dsa_image.serving.recipes import load_model
 from dsa_image.validation import memory_check
 
 DATA = Path(__file__).resolve().parent / "data"

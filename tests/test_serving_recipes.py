@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsa_image.serving import memory_plan, launch as sr
+from dsa_image.serving import cli as sc, execute as sx, launch as sl, memory_plan, recipes as sr
 from dsa_image.build import tiny_model
 from dsa_image.serving.memory_plan import GIB, GPUS, SCHEMES
 
@@ -134,7 +134,7 @@ def test_w4a16_plan_matches_the_published_weights_per_rank():
     within 3% above it: it also counts what every rank holds whole (the indexer, q_a/kv_a, norms,
     router: ~2.5 GiB) and the bf16 W_UK/W_UV copies of the INT8 kv_b (0.5 GiB), and leaves out the
     INT8 lm_head sidecar (0.2 GiB per rank)."""
-    plan = sr.memory_plan_of(load("glm-5.2-w4a16-4xspark"), "sm120", BUILD)
+    plan = sl.memory_plan_of(load("glm-5.2-w4a16-4xspark"), "sm120", BUILD)
     assert plan.weights_per_gpu / GIB == pytest.approx(94.75, rel=0.03)
     assert plan.weights_per_gpu / GIB > 94.75
     assert plan.fits and plan.kv_tokens >= 2 * 65536
@@ -179,7 +179,7 @@ def test_nvfp4_ds_mla_is_0_33s_on_sm100_only():
     nvfp4 = dataclasses.replace(tiny, vllm={**tiny.vllm, "attention_backend": "FLASHMLA_SPARSE",
                                             "kv_cache_dtype": "nvfp4_ds_mla"})
     sr.check_backend(nvfp4, "sm100", new)
-    assert sr.memory_plan_of(nvfp4, "sm100", new).kv.mla_per_layer == 352
+    assert sl.memory_plan_of(nvfp4, "sm100", new).kv.mla_per_layer == 352
     with pytest.raises(sr.RecipeFileError, match="does not take kv_cache_dtype 'nvfp4_ds_mla' on the NVIDIA H200"):
         sr.check_backend(nvfp4, "sm90", new)
     with pytest.raises(sr.RecipeFileError, match="does not take kv_cache_dtype 'nvfp4_ds_mla'"):
@@ -228,7 +228,7 @@ def test_fp8_keeps_bf16_copies_of_kv_b():
 
 def test_plan_numbers_by_hand_for_8_sparks():
     recipe = load("glm-5.2-nvfp4-8xspark")
-    plan = sr.memory_plan_of(recipe, "sm120", BUILD)
+    plan = sl.memory_plan_of(recipe, "sm120", BUILD)
     budget = 0.85 * 121.69 * GIB
     per_token = 79 * 656 + 22 * 132
     assert plan.kv.total == per_token
@@ -240,20 +240,20 @@ def test_plan_numbers_by_hand_for_8_sparks():
 def test_layouts_that_never_fit_are_refused_with_the_numbers(layout):
     name, overrides, numbers = REFUSED_LAYOUTS[layout]
     recipe = load(name, overrides)
-    plan = sr.memory_plan_of(recipe, recipe.targets[0], BUILD)
+    plan = sl.memory_plan_of(recipe, recipe.targets[0], BUILD)
     assert not plan.fits and f"does not fit: {numbers}" in plan.problem()
     with pytest.raises(sr.LayoutError, match="does not fit"):
-        sr.plan_launch(recipe, recipe.targets[0], BUILD, hosts=None, solo=False)
+        sl.plan_launch(recipe, recipe.targets[0], BUILD, hosts=None, solo=False)
 
 
 def test_which_recipes_fit():
-    fits = {name for name in ALL for t in load(name).targets if sr.memory_plan_of(load(name), t, BUILD).fits}
+    fits = {name for name in ALL for t in load(name).targets if sl.memory_plan_of(load(name), t, BUILD).fits}
     assert fits == FITTING and set(ALL) == FITTING
 
 
 def test_a_plan_refuses_too_little_kv_for_one_request():
     recipe = load("glm-5.2-nvfp4-8xrtxpro6000", ["max_model_len=1048576"])
-    problem = sr.memory_plan_of(recipe, "sm120", BUILD).problem()
+    problem = sl.memory_plan_of(recipe, "sm120", BUILD).problem()
     assert "fewer than max_model_len 1048576" in problem
 
 
@@ -389,7 +389,7 @@ def test_a_recipe_that_is_not_utf8_is_named_and_the_list_shows_the_others(tmp_pa
     (root / "serve" / "broken.toml").write_bytes(b'description = "caf\xe9"\n')
     with pytest.raises(sr.RecipeFileError, match=r"broken.toml: not UTF-8 \(byte 18\)"):
         sr.load_serve_recipe("broken", root, BUILD)
-    assert sr.main(["--list"], recipes_dir=root) == 0
+    assert sc.main(["--list"], recipes_dir=root) == 0
     listing = capsys.readouterr().out.splitlines()
     broken = next(line for line in listing if line.startswith("broken "))
     assert "INVALID" in broken and "not UTF-8" in broken
@@ -402,7 +402,7 @@ def test_a_recipe_name_is_a_plain_file_name(tmp_path, capsys, escape):
     root = copy_recipes(tmp_path, TINY, lambda t: t)
     shutil.copy(root / "serve" / f"{TINY}.toml", root / "outside.toml")  # recipes/serve/../outside.toml
     name = str(root / "outside") if escape == "ABSOLUTE" else escape
-    assert sr.main([name, "--dry-run"], recipes_dir=root) == 2
+    assert sc.main([name, "--dry-run"], recipes_dir=root) == 2
     err = capsys.readouterr().err
     assert err == f"serve: recipe {name!r}: not a plain file name (letters, digits, '.', '_', '-'; no '/')\n"
 
@@ -427,13 +427,13 @@ def test_cli_overrides_out_of_range_exit_2_with_one_line(assignment, message):
 
 def test_the_images_recipe_mode_refuses_an_empty_variable_name():
     """`--set env.=1` reached os.execvpe, which raised on the empty name."""
-    plan = sr.image_mode([TINY, "--set", "env.=1"], IMAGE_ENV)
+    plan = sc.image_mode([TINY, "--set", "env.=1"], IMAGE_ENV)
     assert (plan.exit_code, plan.argv) == (2, []) and "not an environment variable name" in plan.error
 
 
 def test_recipe_without_a_name_in_the_image_names_its_own_recipes_apart_from_other_images():
     """Issue #24 item 23: it listed every recipe, and naming one of another image was exit 5."""
-    plan = sr.image_mode([], IMAGE_ENV)
+    plan = sc.image_mode([], IMAGE_ENV)
     assert plan.exit_code == 2
     ours, _, others = plan.error.partition("; for other images: ")
     sm120 = sorted(n for n in ALL if "sm120" in load(n).targets)
@@ -470,13 +470,13 @@ def test_model_file_errors(tmp_path):
 def test_overrides_are_typed_and_rendered():
     recipe = load(SPARK, ["max_model_len=65536", "enable_prefix_caching=false", "num_speculative_tokens=3",
                           "env.NCCL_DEBUG=INFO", "hf_id=/models/glm52"])
-    args = sr.vllm_args(recipe, "sm120", BUILD, ["--enable-log-requests"])
+    args = sl.vllm_args(recipe, "sm120", BUILD, ["--enable-log-requests"])
     assert args[0] == "/models/glm52"
     assert args[args.index("--max-model-len") + 1] == "65536"
     assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
     assert args[args.index("--speculative-config") + 1] == '{"method":"mtp","num_speculative_tokens":3}'
     assert args[-1] == "--enable-log-requests"
-    assert sr.environment(recipe, "sm120", BUILD)["NCCL_DEBUG"] == "INFO"
+    assert sl.environment(recipe, "sm120", BUILD)["NCCL_DEBUG"] == "INFO"
 
 
 def test_unsetting_a_setting_falls_back_to_the_target_default():
@@ -484,7 +484,7 @@ def test_unsetting_a_setting_falls_back_to_the_target_default():
     for vllm, backend in [("0.24.0", "FLASHMLA_SPARSE"), ("0.33.0", "FLASH_ATTN_MLA_SPARSE")]:
         build = load_recipe(vllm=vllm)
         recipe = sr.apply_overrides(sr.load_serve_recipe("tiny-glm5", build=build), ["attention_backend="], build)
-        args = sr.vllm_args(recipe, "sm90", build)
+        args = sl.vllm_args(recipe, "sm90", build)
         assert args[args.index("--attention-backend") + 1] == backend, vllm
         assert args[args.index("--kv-cache-dtype") + 1] == "auto", vllm
 
@@ -516,31 +516,31 @@ def test_a_workaround_applies_only_on_a_base_that_has_its_bug(tmp_path):
     root = copy_recipes(tmp_path, RTX8, CAPPED)
     for build, applied in ((BUILD, False), (OLD, True)):
         recipe = sr.load_serve_recipe(RTX8, root, build)
-        args = sr.vllm_args(recipe, "sm120", build)
+        args = sl.vllm_args(recipe, "sm120", build)
         assert ("--max-num-batched-tokens" in args) is applied, build.vllm_version
-        assert ("VLLM_USE_FLASHINFER_SAMPLER" in sr.environment(recipe, "sm120", build)) is applied
-        assert sr.unapplied_settings(recipe, "sm120", build) == (set() if applied else {"max_num_batched_tokens"})
+        assert ("VLLM_USE_FLASHINFER_SAMPLER" in sl.environment(recipe, "sm120", build)) is applied
+        assert sl.unapplied_settings(recipe, "sm120", build) == (set() if applied else {"max_num_batched_tokens"})
 
 
 def test_setting_a_workarounds_value_makes_it_the_users_on_every_base(tmp_path):
     root = copy_recipes(tmp_path, RTX8, CAPPED)
     recipe = sr.apply_overrides(sr.load_serve_recipe(RTX8, root, BUILD), ["max_num_batched_tokens=64",
                                                                           "env.VLLM_USE_FLASHINFER_SAMPLER=0"], BUILD)
-    args = sr.vllm_args(recipe, "sm120", BUILD)
+    args = sl.vllm_args(recipe, "sm120", BUILD)
     assert args[args.index("--max-num-batched-tokens") + 1] == "64"
-    assert sr.environment(recipe, "sm120", BUILD)["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert sl.environment(recipe, "sm120", BUILD)["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert recipe.workarounds == ()
 
 
 def test_the_plan_prints_per_base_which_workarounds_apply_and_why(tmp_path):
     root = copy_recipes(tmp_path, RTX8, CAPPED)
-    launch = sr.plan_launch(sr.load_serve_recipe(RTX8, root, BUILD), "sm120", BUILD, hosts=None, solo=True)
-    text = sr.describe(launch)
+    launch = sl.plan_launch(sr.load_serve_recipe(RTX8, root, BUILD), "sm120", BUILD, hosts=None, solo=True)
+    text = sl.describe(launch)
     block = text[text.index("workarounds, per vLLM base"):text.index("blockers")]
     assert "  max_num_batched_tokens=64: r\n    vLLM 0.33.0 (this plan): not applied: flashinfer-3610 fixed" in block
     assert "    vLLM 0.24.0: applied: flashinfer-3610 present: flashinfer-python 0.6.12, fixed in 0.6.14" in block
     assert "  env VLLM_USE_FLASHINFER_SAMPLER=0: " in block
-    w4a16 = sr.describe(sr.plan_launch(load("glm-5.2-w4a16-4xspark"), "sm120", BUILD, hosts=None, solo=False))
+    w4a16 = sl.describe(sl.plan_launch(load("glm-5.2-w4a16-4xspark"), "sm120", BUILD, hosts=None, solo=False))
     assert ("limitations (what shaped this recipe):\n  vllm-sm120-sparse-mla-lse: " in w4a16
             and "    vLLM 0.33.0 (this plan): vllm-sm120-sparse-mla-lse present: vllm 0.33.0; its source has the bug"
             in w4a16)
@@ -554,8 +554,8 @@ def test_a_blocker_refuses_its_base_and_target_only():
             assert [b.id for b in blocked] == (["vllm-sm120-flashinfer-sparse-mla-api"] if target == "sm120" else [])
             assert sr.blocking(recipe, target, BUILD) == []
     with pytest.raises(sr.TargetError, match="cannot run on the vLLM 0.24.0 sm120 image.*Use --vllm 0.33.0"):
-        sr.plan_launch(sr.load_serve_recipe("tiny-glm5", build=OLD), "sm120", OLD, hosts=None, solo=True)
-    sr.plan_launch(sr.load_serve_recipe("tiny-glm5", build=OLD), "sm90", OLD, hosts=None, solo=True)
+        sl.plan_launch(sr.load_serve_recipe("tiny-glm5", build=OLD), "sm120", OLD, hosts=None, solo=True)
+    sl.plan_launch(sr.load_serve_recipe("tiny-glm5", build=OLD), "sm90", OLD, hosts=None, solo=True)
 
 
 def test_a_workaround_whose_bugs_no_base_has_is_expired(tmp_path):
@@ -596,7 +596,7 @@ def test_cli_dry_run_solo_prints_the_exact_commands():
     docker = next(shlex.split(line) for line in done.stdout.splitlines() if line.startswith("docker run"))
     recipe = load("glm-5.2-nvfp4-8xrtxpro6000")
     image = docker.index(f"dsa-image:{BUILD.vllm_version}-sm120")  # no --vllm: the default base's image
-    assert docker[image + 1:] == ["serve", *sr.vllm_args(recipe, "sm120", BUILD)]
+    assert docker[image + 1:] == ["serve", *sl.vllm_args(recipe, "sm120", BUILD)]
     for expected in (["--gpus", "all"], ["--ipc=host"], ["-p", "8000:8000"], ["-e", "VLLM_USE_B12X_SPARSE_INDEXER=1"]):
         assert any(docker[i:i + len(expected)] == expected for i in range(image)), expected
     # flashinfer-3610 is fixed in 0.33.0's FlashInfer: its workaround is not applied, and the plan says why
@@ -627,9 +627,9 @@ def test_cli_refusals(args, code, message):
     assert (done.returncode, message in done.stderr) == (code, True), done.stderr
 
 
-def cluster(backend: str) -> sr.Launch:
+def cluster(backend: str) -> sl.Launch:
     recipe = load(SPARK, [f"cluster_backend={backend}"])
-    return sr.plan_launch(recipe, "sm120", BUILD, hosts=SPARK8_HOSTS, solo=False, ifname="enp1s0")
+    return sl.plan_launch(recipe, "sm120", BUILD, hosts=SPARK8_HOSTS, solo=False, ifname="enp1s0")
 
 
 def test_mp_cluster_runs_headless_workers():
@@ -670,20 +670,20 @@ class Recorder:
 
 @pytest.fixture
 def with_nvidia_smi(monkeypatch):
-    monkeypatch.setattr(sr.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(sx.shutil, "which", lambda name: f"/usr/bin/{name}")
 
 
 def test_launch_solo_runs_docker_here(with_nvidia_smi, capsys):
     run = Recorder()
-    assert sr.main(["glm-5.2-nvfp4-8xrtxpro6000"], run=run) == 0
+    assert sc.main(["glm-5.2-nvfp4-8xrtxpro6000"], run=run) == 0
     assert run.calls[0][0] == "nvidia-smi"
     assert run.calls[1][:3] == ["docker", "run", "--rm"] and len(run.calls) == 2
 
 
 def test_launch_mp_cluster_starts_workers_over_ssh_then_the_head(with_nvidia_smi, monkeypatch):
-    monkeypatch.setattr(sr, "host_gpu_problem", lambda *a, **k: None)
+    monkeypatch.setattr(sx, "host_gpu_problem", lambda *a, **k: None)
     run = Recorder()
-    code = sr.main([SPARK, "--set", "cluster_backend=mp", "--nodes", ",".join(SPARK8_HOSTS)], run=run)
+    code = sc.main([SPARK, "--set", "cluster_backend=mp", "--nodes", ",".join(SPARK8_HOSTS)], run=run)
     assert code == 0
     assert [c[:2] for c in run.calls[:7]] == [["ssh", h] for h in SPARK8_HOSTS[1:]]
     assert "--node-rank 1" in run.calls[0][2] and run.calls[7][:2] == ["docker", "run"]
@@ -694,16 +694,16 @@ def test_launch_mp_cluster_starts_workers_over_ssh_then_the_head(with_nvidia_smi
 
 def test_wrong_gpu_family_is_refused(with_nvidia_smi):
     run = Recorder(nvidia_smi="NVIDIA H200, 9.0\n")
-    problem = sr.host_gpu_problem("sm120", BUILD, run)
+    problem = sx.host_gpu_problem("sm120", BUILD, run)
     assert "built for compute capability 12.0, 12.1; this host has NVIDIA H200 (9.0)" in problem
-    assert sr.main(["glm-5.2-nvfp4-8xrtxpro6000"], run=run) == sr.TARGET
-    assert sr.host_gpu_problem("sm90", BUILD, run) is None
+    assert sc.main(["glm-5.2-nvfp4-8xrtxpro6000"], run=run) == sr.TARGET
+    assert sx.host_gpu_problem("sm90", BUILD, run) is None
 
 
 def test_no_driver_is_refused_but_dry_run_needs_none(monkeypatch):
-    monkeypatch.setattr(sr.shutil, "which", lambda name: None)
-    assert "nvidia-smi not found" in sr.host_gpu_problem("sm120", BUILD)
-    assert sr.main(["tiny-glm5", "--dry-run"], run=Recorder()) == 0
+    monkeypatch.setattr(sx.shutil, "which", lambda name: None)
+    assert "nvidia-smi not found" in sx.host_gpu_problem("sm120", BUILD)
+    assert sc.main(["tiny-glm5", "--dry-run"], run=Recorder()) == 0
 
 
 # -- launching on a real host: real processes, a fake docker / ssh / nvidia-smi ------------------
@@ -760,7 +760,7 @@ def test_a_launch_hands_docker_real_paths_and_a_failed_head_stops_the_workers_it
     """Issue #24 item 12: the head's docker run got the literal `"$HOME/.cache/huggingface":...`
     (rejected by the engine), and a failed head left the seven workers running."""
     monkeypatch.setenv("FAKE_HEAD_EXIT", "125")
-    assert sr.main(MP_CLUSTER) == 125
+    assert sc.main(MP_CLUSTER) == 125
     calls = host_tools.calls()
     workers = [f"dsa-{SPARK}-node{i}" for i in range(1, 8)]
     starts, head, stops = calls[:7], calls[7], calls[8:]
@@ -776,7 +776,7 @@ def test_a_launch_hands_docker_real_paths_and_a_failed_head_stops_the_workers_it
 def test_a_worker_that_fails_to_start_stops_the_ones_before_it_and_starts_no_head(host_tools, monkeypatch):
     fail_third = host_tools.bin / "ssh"
     fail_third.write_text(FAKE_SSH.replace('FAKE_NODE="$1"', f'[ "$1" = {SPARK8_HOSTS[3]} ] && exit 255\nFAKE_NODE="$1"'))
-    assert sr.main(MP_CLUSTER) == 255
+    assert sc.main(MP_CLUSTER) == 255
     calls = host_tools.calls()
     assert [c["node"] for c in calls] == [*SPARK8_HOSTS[1:3], *reversed(SPARK8_HOSTS[1:3])]
     assert [c["argv"][0] for c in calls] == ["run", "run", "stop", "stop"]
@@ -795,7 +795,7 @@ def test_user_values_reach_docker_verbatim_through_every_shell_and_run_nothing(h
     hf, ifname, env, name, extra = (v.format(pwned=pwned) for v in INJECTED)
     argv = [*MP_CLUSTER, "--hf-cache", hf, "--ifname", ifname, "--set", f"env.NCCL_DEBUG={env}",
             "--set", f"served_model_name={name}", "--", "--extra", extra]
-    code = sr.main(argv)
+    code = sc.main(argv)
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("docker ")]
     pasted = [subprocess.run(["/bin/sh", "-c", line], env={**os.environ, "FAKE_NODE": "pasted"}).returncode
               for line in printed]  # what a user pastes into a shell on each node
@@ -837,9 +837,9 @@ def test_the_engine_accepts_every_argument_of_the_tiny_recipes_docker_run(docker
 
     image = base_image
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(sr, "host_gpu_problem", lambda *a, **k: None)
+    monkeypatch.setattr(sx, "host_gpu_problem", lambda *a, **k: None)
     run = Recorder()
-    assert sr.main(["tiny-glm5"], run=run) == 0
+    assert sc.main(["tiny-glm5"], run=run) == 0
     (argv,) = run.calls
     recipe_image = image_ref_of(argv)
     assert argv[:2] == ["docker", "run"]
@@ -863,7 +863,7 @@ def test_the_engine_accepts_every_argument_of_the_tiny_recipes_docker_run(docker
 
 
 def image_ref_of(argv: list[str]) -> str:
-    return next(w for w in argv if w.startswith(f"{sr.IMAGE_REPOSITORY}:"))
+    return next(w for w in argv if w.startswith(f"{sl.IMAGE_REPOSITORY}:"))
 
 
 # -- the image's recipe mode ---------------------------------------------------------------
@@ -872,14 +872,14 @@ IMAGE_ENV = {"DSA_IMAGE_TOOL": str(REPO), "DSA_IMAGE_TARGET": "sm120", "DSA_IMAG
 
 
 def test_image_mode_list_and_dry_run():
-    listing = sr.image_mode(["--list"], IMAGE_ENV)
+    listing = sc.image_mode(["--list"], IMAGE_ENV)
     assert listing.exit_code == 0 and "tiny-glm5" in listing.output and "sm90" not in listing.output
-    dry = sr.image_mode(["glm-5.2-nvfp4-8xspark", "--dry-run"], IMAGE_ENV)
+    dry = sc.image_mode(["glm-5.2-nvfp4-8xspark", "--dry-run"], IMAGE_ENV)
     assert dry.exit_code == 0 and not dry.argv and "ray-worker HEAD_ADDR:6379" in dry.output
 
 
 def test_image_mode_serves_in_this_container():
-    plan = sr.image_mode(["tiny-glm5"], {**IMAGE_ENV, "VLLM_USE_B12X_SPARSE_INDEXER": "0"})
+    plan = sc.image_mode(["tiny-glm5"], {**IMAGE_ENV, "VLLM_USE_B12X_SPARSE_INDEXER": "0"})
     assert plan.argv[:3] == ["vllm", "serve", "/opt/dsa-image/models/tiny-glm5"]
     assert plan.argv[plan.argv.index("--attention-backend") + 1] == "FLASHINFER_MLA_SPARSE_SM120"
     assert "VLLM_USE_B12X_SPARSE_INDEXER" not in plan.env  # the container's own value wins
@@ -893,7 +893,7 @@ def test_image_mode_serves_in_this_container():
     (["tiny-glm5"], {}, 1, "DSA_IMAGE_TOOL is not set"),
 ])
 def test_image_mode_refusals(args, environ, code, message):
-    plan = sr.image_mode(args, environ)
+    plan = sc.image_mode(args, environ)
     assert (plan.exit_code, not plan.argv) == (code, True) and message in plan.error
 
 
@@ -949,7 +949,8 @@ def test_scaled_down_layout_uses_the_gpus_given():
 # -- code shape ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["launch.py", "memory_plan.py", "workarounds.py"])
+@pytest.mark.parametrize("module", ["recipes.py", "launch.py", "execute.py", "cli.py", "memory_plan.py",
+                                    "workarounds.py"])
 def test_runner_modules_are_stdlib_only(module):
     tree = ast.parse((REPO / "dsa_image" / "serving" / module).read_text())
     imported = set()

@@ -18,7 +18,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="needs the pinned vLLM (the image's test stage has it)")
 
-from dsa_image.serving import memory_plan, launch as sr
+from dsa_image.serving import launch as sl, memory_plan, recipes as sr
 from dsa_image.core.recipe import load_recipe  # noqa: E402
 from dsa_image.validation import recipes as scaled  # noqa: E402
 
@@ -73,17 +73,17 @@ def forms(name: str, target: str) -> list[tuple[str, list[str]]]:
     # vllm_args: what a launch runs (tests/test_serving_recipes.py checks the dry run prints it),
     # also for the layouts the memory plan refuses
     if recipe.nodes == 1:
-        return [("solo", sr.vllm_args(recipe, target, BUILD))]
+        return [("solo", sl.vllm_args(recipe, target, BUILD))]
     out = []
     for backend in sr.CLUSTER_BACKENDS:
         variant = sr.apply_overrides(recipe, [f"cluster_backend={backend}"], BUILD)
-        args = sr.vllm_args(variant, target, BUILD)
+        args = sl.vllm_args(variant, target, BUILD)
         if backend == "ray":
             out.append(("ray head", [*args, "--distributed-executor-backend", "ray"]))
         else:
             for rank in (0, 1):
                 extra = ["--nnodes", str(recipe.nodes), "--node-rank", str(rank), "--master-addr", "10.0.0.1",
-                         "--master-port", str(sr.MP_MASTER_PORT)] + (["--headless"] if rank else [])
+                         "--master-port", str(sl.MP_MASTER_PORT)] + (["--headless"] if rank else [])
                 out.append((f"mp rank {rank}", [*args, *extra]))
     return out
 
@@ -156,7 +156,7 @@ def test_named_environment_variables_exist():
         recipe = sr.load_serve_recipe(name, build=BUILD)
         for target in recipe.targets:
             # the target's, and every variable of the recipe's, applied on this base or not
-            for var in {*sr.environment(recipe, target, BUILD), *(e.name for e in recipe.env)}:
+            for var in {*sl.environment(recipe, target, BUILD), *(e.name for e in recipe.env)}:
                 if var.startswith("VLLM_"):
                     assert var in envs.environment_variables or any(
                         f'"{var}"' in text for text in overlay_sources), (name, var)

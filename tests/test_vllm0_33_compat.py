@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.serving import launch as sr
+from dsa_image.serving import launch as sl, recipes as sr
 from dsa_image.runtime import spec_decode_metrics, warmup
 from dsa_image.core.recipe import load_recipe
 from dsa_image.validation import recipes as scaled
@@ -277,18 +277,18 @@ def recipe_forms(build) -> list[tuple[str, str, list[str], dict[str, str]]]:
     for name in sr.serve_recipe_names():
         recipe = sr.load_serve_recipe(name, build=build)
         for target in recipe.targets:
-            env = sr.environment(recipe, target, build)
+            env = sl.environment(recipe, target, build)
             if recipe.nodes == 1:
-                forms.append((name, f"{target} solo", sr.vllm_args(recipe, target, build), env))
+                forms.append((name, f"{target} solo", sl.vllm_args(recipe, target, build), env))
                 continue
             for backend in sr.CLUSTER_BACKENDS:
-                args = sr.vllm_args(sr.apply_overrides(recipe, [f"cluster_backend={backend}"], build), target, build)
+                args = sl.vllm_args(sr.apply_overrides(recipe, [f"cluster_backend={backend}"], build), target, build)
                 if backend == "ray":
                     forms.append((name, f"{target} ray", [*args, "--distributed-executor-backend", "ray"], env))
                 else:
                     forms.append((name, f"{target} mp", [*args, "--nnodes", str(recipe.nodes), "--node-rank", "1",
                                                          "--master-addr", "10.0.0.1", "--master-port",
-                                                         str(sr.MP_MASTER_PORT), "--headless"], env))
+                                                         str(sl.MP_MASTER_PORT), "--headless"], env))
     for run in scaled.scaled_runs(sr.serve_recipe_names(), build, gpus=1):
         forms.append((run.name, "scaled down", ["MODEL", *run.args], run.env))
     return forms

@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Mapping
 from dsa_image.build import lock
 from dsa_image.core import wheels
 from dsa_image.core.recipe import RECIPES_DIR, Recipe
-from dsa_image.serving.launch import bug_usage_problems
+from dsa_image.serving.recipes import bug_usage_problems
 from dsa_image.serving.workarounds import (Bug, BugError, load_bugs, source_problem, source_verdict, version_problem,
                                            wheel_members)
 

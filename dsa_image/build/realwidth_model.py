@@ -29,7 +29,7 @@ from pathlib import Path
 from dsa_image.serving import memory_plan
 from dsa_image.build import tiny_model
 from dsa_image.core.recipe import RECIPES_DIR
-from dsa_image.serving.launch import load_model
+from dsa_image.serving.recipes import load_model
 
 MODEL_ID = "glm-5"  # recipes/models/glm-5.toml
 NAME = "glm5-realwidth"  # the directory the GPU session runner writes under its work root

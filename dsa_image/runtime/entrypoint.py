@@ -316,9 +316,9 @@ def _ray_worker(args: list[str], environ: dict[str, str]) -> Plan:
 
 def _recipe(args: list[str], environ: dict[str, str]) -> Plan:
     # Imported here: only this mode needs the recipe runner and its memory plan.
-    from dsa_image.serving import launch as serving_recipes
+    from dsa_image.serving import cli as serving_cli
 
-    result = serving_recipes.image_mode(args, environ)
+    result = serving_cli.image_mode(args, environ)
     if result.error:
         error = EntrypointError(result.error)
         error.exit_code = result.exit_code

@@ -8,7 +8,7 @@ context, which this plan does not model. What it does decide reliably is the gro
 layout's weights leave no room (or not enough for one request of max_model_len), which is when a
 recipe is refused.
 
-Stdlib only: the image's entrypoint imports this through serving_recipes.
+Stdlib only: the image's entrypoint imports this through dsa_image.serving.cli.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ one is present). The verdicts are decisions, and the tools hold them to the arte
 that applies on no base) and `check --online` (the patterns in the pinned wheel give the
 recorded verdict). Patterns match with runs of whitespace collapsed, so one may span lines.
 
-Stdlib only: the image's entrypoint imports this through dsa_image.serving.launch. The check
+Stdlib only: the image's entrypoint imports this through dsa_image.serving.cli. The check
 against a base's locks and wheels is build code: dsa_image.build.bug_check.
 """
 

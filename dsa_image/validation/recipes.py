@@ -38,9 +38,10 @@ from pathlib import Path
 from dsa_image.build import model_info_cache, tiny_model
 from dsa_image.core.compile_caches import cache_env
 from dsa_image.serving.memory_plan import backends
-from dsa_image.core.recipe import Recipe, load_recipe
+from dsa_image.core.recipe import RECIPES_DIR, Recipe, load_recipe
 from dsa_image.core.site_path import pythonpath
-from dsa_image.serving.launch import RECIPES_DIR, ServeRecipe, attention_backend, environment, kv_cache_dtype, load_serve_recipe, serve_recipe_names, vllm_args
+from dsa_image.serving.launch import environment, vllm_args
+from dsa_image.serving.recipes import ServeRecipe, attention_backend, kv_cache_dtype, load_serve_recipe, serve_recipe_names
 from dsa_image.harness.server import answered, prompts, stop
 
 SCALED_TARGET = "sm90"
