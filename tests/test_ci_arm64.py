@@ -38,7 +38,7 @@ PYTHON_STUB = ('import os, sys\nwith open(os.environ["CI_CALLS"], "a") as f:\n'
                '    f.write(" ".join(["{name}", *sys.argv[1:]]) + "\\n")\n'
                'sys.exit(int(os.environ.get("CI_EXIT_{var}", "0")))\n')
 HELPERS = ["install_docker.sh", "install_qemu.sh", "bootstrap_base_image.sh", "test.py", "build_arm64.py",
-           "release_check.py"]
+           "lint.py", "release_check.py"]
 
 
 def _var(name: str) -> str:
@@ -108,6 +108,15 @@ def test_ci_fails_when_the_release_check_fails_and_still_builds_arm64(tmp_path):
     (tmp_path / "again").mkdir()
     done, calls = run_ci(tmp_path / "again", test=3, release_check=1)
     assert done.returncode == 3 and any(call.startswith("release_check.py") for call in calls)
+
+
+def test_ci_runs_the_lint_and_type_gates_and_fails_on_them_after_everything_else_ran(tmp_path):
+    done, calls = run_ci(tmp_path, lint=1)
+    assert done.returncode == 1 and "lint: exit 1" in done.stderr, done.stderr
+    assert _index(calls, "build_arm64.py") < _index(calls, "lint.py") < _index(calls, "release_check.py")
+    (tmp_path / "again").mkdir()
+    done, _ = run_ci(tmp_path / "again", test=3, lint=1)
+    assert done.returncode == 3  # the tests' code comes first
 
 
 def test_ci_stops_before_any_build_when_qemu_cannot_be_installed(tmp_path):
