@@ -169,6 +169,38 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
                               "registry.example:5000/dsa-image)")
     check_hosts(hosts or [])
     volume = hf_volume(hf_cache)
+    _check_target(recipe, target, build)
+    _check_nodes(recipe, hosts, solo)
+    plan = memory_plan_of(recipe, target, build)
+    problem = plan.problem()
+    if problem:
+        raise LayoutError(f"recipe {recipe.name}: {problem}\n  " + "\n  ".join(plan.lines()))
+    image = image_ref(build, target, repository)
+    env = environment(recipe, target, build)
+    args = vllm_args(recipe, target, build, list(extra))
+    if ifname:
+        env = {**env, "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
+    run = _Containers(f"dsa-{recipe.name}", image, env,
+                      ["--gpus", "all", "--ipc=host", "-v", volume, "-e", "HF_TOKEN"])
+    if recipe.nodes == 1:
+        port = str(recipe.vllm["port"])
+        docker = ["docker", "run", "--rm", "--name", run.name, *run.common, "-p", f"{port}:{port}",
+                  *run.env_flags(), image, "serve", *args]
+        return Launch(recipe, target, image, ["vllm", "serve", *args], env,
+                      (Node(0, (hosts or ["localhost"])[0], "solo", docker, run.name),), plan, (), build)
+    notes = [] if hosts else ["no --nodes given: HEAD_ADDR and NODEi_ADDR stand for the nodes' addresses"]
+    addresses = hosts or ["HEAD_ADDR", *(f"NODE{i}_ADDR" for i in range(1, recipe.nodes))]
+    if recipe.layout["cluster_backend"] == "ray":
+        serve = ["vllm", "serve", *args, "--distributed-executor-backend", "ray"]
+        return Launch(recipe, target, image, serve, env, _ray_nodes(run, addresses, serve), plan, tuple(notes),
+                      build)
+    nodes = _mp_nodes(run, addresses, args)
+    head_args = nodes[0].docker[nodes[0].docker.index("serve") + 1:]
+    return Launch(recipe, target, image, ["vllm", "serve", *head_args], env, nodes, plan, tuple(notes), build)
+
+
+def _check_target(recipe: ServeRecipe, target: str, build: Recipe) -> None:
+    """The recipe runs on `target`'s image of this base: its hardware, backend and no blocker."""
     if target not in recipe.hardware:
         raise TargetError(f"recipe {recipe.name} runs on the {', '.join(recipe.targets)} image(s), not {target} "
                           f"(its GPUs: {', '.join(GPUS[g].name for g in recipe.hardware.values())})")
@@ -180,6 +212,9 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
                           + "; ".join(f"{b.id}: {b.title} ({b.why(build.vllm_version)}; {_rel(b.path)})"
                                       for b in blocked)
                           + (f". Use --vllm {others[0]}" if others else ""))
+
+
+def _check_nodes(recipe: ServeRecipe, hosts: list[str] | None, solo: bool) -> None:
     nodes_wanted = recipe.nodes
     if solo and recipe.cluster_only:
         raise LayoutError(f"recipe {recipe.name} is cluster-only: it needs {nodes_wanted} nodes "
@@ -189,61 +224,50 @@ def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[
     if hosts is not None and len(hosts) != nodes_wanted:
         raise LayoutError(f"recipe {recipe.name} needs {nodes_wanted} node(s), --nodes gave {len(hosts)}: "
                           f"{', '.join(hosts)}")
-    plan = memory_plan_of(recipe, target, build)
-    problem = plan.problem()
-    if problem:
-        raise LayoutError(f"recipe {recipe.name}: {problem}\n  " + "\n  ".join(plan.lines()))
-    image = image_ref(build, target, repository)
-    env = environment(recipe, target, build)
-    args = vllm_args(recipe, target, build, list(extra))
-    notes = []
-    port = str(recipe.vllm["port"])
-    common = ["--gpus", "all", "--ipc=host", "-v", volume, "-e", "HF_TOKEN"]
-    if ifname:
-        env = {**env, "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
 
-    def env_flags(extra_env: Mapping[str, str] = {}) -> list[str]:
-        return [w for k, v in {**env, **extra_env}.items() for w in ("-e", f"{k}={v}")]
 
-    name = f"dsa-{recipe.name}"
-    if nodes_wanted == 1:
-        docker = ["docker", "run", "--rm", "--name", name, *common, "-p", f"{port}:{port}", *env_flags(),
-                  image, "serve", *args]
-        return Launch(recipe, target, image, ["vllm", "serve", *args], env,
-                      (Node(0, (hosts or ["localhost"])[0], "solo", docker, name),), plan, tuple(notes), build)
+@dataclass(frozen=True)
+class _Containers:
+    """What every container of a launch shares: the name prefix, image, environment, docker flags."""
+    name: str
+    image: str
+    env: Mapping[str, str]
+    common: list[str]
 
-    addresses = hosts or ["HEAD_ADDR", *(f"NODE{i}_ADDR" for i in range(1, nodes_wanted))]
-    if hosts is None:
-        notes.append("no --nodes given: HEAD_ADDR and NODEi_ADDR stand for the nodes' addresses")
-    head = addresses[0]
+    def env_flags(self, extra_env: Mapping[str, str] | None = None) -> list[str]:
+        return [w for k, v in {**self.env, **(extra_env or {})}.items() for w in ("-e", f"{k}={v}")]
+
+
+def _ray_nodes(run: _Containers, addresses: list[str], serve: list[str]) -> tuple[Node, ...]:
     nodes = []
-    if recipe.layout["cluster_backend"] == "ray":
-        serve = ["vllm", "serve", *args, "--distributed-executor-backend", "ray"]
-        for rank, address in enumerate(addresses):
-            role = "head" if rank == 0 else "worker"
-            container = f"{name}-{role}" if rank == 0 else f"{name}-worker{rank}"
-            # The image's modes (dsa_image/runtime/entrypoint.py): the head's port through RAY_PORT, a
-            # worker names the head first.
-            node_env = {"VLLM_HOST_IP": address, **({"RAY_PORT": str(RAY_PORT)} if rank == 0 else {})}
-            mode = ["ray-head"] if rank == 0 else ["ray-worker", f"{head}:{RAY_PORT}"]
-            docker = ["docker", "run", "-d", "--rm", "--name", container, *common, "--network", "host",
-                      *env_flags(node_env), image, *mode]
-            then = ["docker", "exec", f"{name}-head", *serve] if rank == 0 else []
-            nodes.append(Node(rank, address, role, docker, container, then, detached=True))
-        return Launch(recipe, target, image, serve, env, tuple(nodes), plan, tuple(notes), build)
-
+    head = addresses[0]
     for rank, address in enumerate(addresses):
         role = "head" if rank == 0 else "worker"
-        node_args = [*args, "--nnodes", str(nodes_wanted), "--node-rank", str(rank), "--master-addr", head,
+        container = f"{run.name}-{role}" if rank == 0 else f"{run.name}-worker{rank}"
+        # The image's modes (dsa_image/runtime/entrypoint.py): the head's port through RAY_PORT, a
+        # worker names the head first.
+        node_env = {"VLLM_HOST_IP": address, **({"RAY_PORT": str(RAY_PORT)} if rank == 0 else {})}
+        mode = ["ray-head"] if rank == 0 else ["ray-worker", f"{head}:{RAY_PORT}"]
+        docker = ["docker", "run", "-d", "--rm", "--name", container, *run.common, "--network", "host",
+                  *run.env_flags(node_env), run.image, *mode]
+        then = ["docker", "exec", f"{run.name}-head", *serve] if rank == 0 else []
+        nodes.append(Node(rank, address, role, docker, container, then, detached=True))
+    return tuple(nodes)
+
+
+def _mp_nodes(run: _Containers, addresses: list[str], args: list[str]) -> tuple[Node, ...]:
+    nodes = []
+    for rank, address in enumerate(addresses):
+        role = "head" if rank == 0 else "worker"
+        node_args = [*args, "--nnodes", str(len(addresses)), "--node-rank", str(rank), "--master-addr", addresses[0],
                      "--master-port", str(MP_MASTER_PORT)]
         if rank > 0:
             node_args.append("--headless")
-        container = f"{name}-node{rank}"
-        docker = ["docker", "run", *(["-d"] if rank else []), "--rm", "--name", container, *common,
-                  "--network", "host", *env_flags(), image, "serve", *node_args]
+        container = f"{run.name}-node{rank}"
+        docker = ["docker", "run", *(["-d"] if rank else []), "--rm", "--name", container, *run.common,
+                  "--network", "host", *run.env_flags(), run.image, "serve", *node_args]
         nodes.append(Node(rank, address, role, docker, container, detached=rank > 0))
-    head_args = nodes[0].docker[nodes[0].docker.index("serve") + 1:]
-    return Launch(recipe, target, image, ["vllm", "serve", *head_args], env, tuple(nodes), plan, tuple(notes), build)
+    return tuple(nodes)
 
 
 # -- output --------------------------------------------------------------------------------

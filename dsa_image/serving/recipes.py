@@ -282,6 +282,31 @@ def parse_serve_recipe(name: str, path: Path, raw: dict[str, Any], recipes_dir: 
                        build: Recipe | None = None) -> ServeRecipe:
     """Check everything that does not depend on the target chosen or the hosts given."""
     where = str(path)
+    _check_top_level(raw, where)
+    build = build_recipe(recipes_dir, build)
+    model = load_model(raw["model"], recipes_dir)
+    hardware = {target: _typed(gpu, str, f"{where}: hardware.{target}") for target, gpu in raw["hardware"].items()}
+    layout = settings_table("layout", raw["layout"], LAYOUT_SETTINGS, where)
+    layout.setdefault("cluster_backend", "mp")
+    vllm = settings_table("vllm", raw["vllm"], VLLM_SETTINGS, where)
+    for table, values, required in (("layout", layout, REQUIRED_LAYOUT), ("vllm", vllm, REQUIRED_VLLM)):
+        missing = [key for key in required if key not in values]
+        if missing:
+            raise RecipeFileError(f"{where}: {table}.{missing[0]} missing")
+    bugs = _load_bugs(recipes_dir)
+    env = _env_vars(raw.get("env", {}), bugs, where)
+    workarounds = _workarounds(raw.get("workarounds", {}), vllm, bugs, where)
+    limitations = _bug_ids(raw.get("limitations", []), bugs, f"{where}: limitations", empty_ok=True)
+    blockers = _bug_ids(raw.get("blockers", []), bugs, f"{where}: blockers", empty_ok=True)
+    recipe = ServeRecipe(name, path, raw["description"], model, raw["hf_id"], raw["quantization"],
+                         raw["cluster_only"], hardware, layout, vllm, tuple(env), tuple(workarounds),
+                         limitations, blockers, bugs)
+    check_recipe(recipe, build)
+    return recipe
+
+
+def _check_top_level(raw: dict[str, Any], where: str) -> None:
+    """Known keys, the required ones, their types, the schema and the quantisation scheme."""
     unknown = sorted(set(raw) - set(TOP_LEVEL))
     if unknown:
         raise RecipeFileError(f"{where}: unknown keys {', '.join(unknown)}; known: {', '.join(TOP_LEVEL)}")
@@ -293,23 +318,13 @@ def parse_serve_recipe(name: str, path: Path, raw: dict[str, Any], recipes_dir: 
             _typed(raw[key], kind, f"{where}: {key}")
     if raw["schema"] != 1:
         raise RecipeFileError(f"{where}: schema must be 1, found {raw['schema']!r}")
-    build = build_recipe(recipes_dir, build)
-    model = load_model(raw["model"], recipes_dir)
     if raw["quantization"] not in SCHEMES:
         raise RecipeFileError(f"{where}: quantization {raw['quantization']!r} unknown; known: {', '.join(SCHEMES)}")
 
-    hardware = {target: _typed(gpu, str, f"{where}: hardware.{target}") for target, gpu in raw["hardware"].items()}
-    layout = settings_table("layout", raw["layout"], LAYOUT_SETTINGS, where)
-    layout.setdefault("cluster_backend", "mp")
-    vllm = settings_table("vllm", raw["vllm"], VLLM_SETTINGS, where)
-    for table, values, required in (("layout", layout, REQUIRED_LAYOUT), ("vllm", vllm, REQUIRED_VLLM)):
-        missing = [key for key in required if key not in values]
-        if missing:
-            raise RecipeFileError(f"{where}: {table}.{missing[0]} missing")
 
-    bugs = _load_bugs(recipes_dir)
+def _env_vars(table: Mapping[str, Any], bugs, where: str) -> list[EnvVar]:
     env = []
-    for var, entry in raw.get("env", {}).items():
+    for var, entry in table.items():
         at = f"{where}: env.{var}"
         if not isinstance(entry, dict) or set(entry) != {"value", "reason", "link", "bugs"}:
             raise RecipeFileError(f"{at}: needs exactly value, reason, link and bugs (the recipes/bugs/ it works "
@@ -318,8 +333,12 @@ def parse_serve_recipe(name: str, path: Path, raw: dict[str, Any], recipes_dir: 
             _typed(entry[key], str, f"{at}.{key}")
         _check_link(entry["link"], at)
         env.append(EnvVar(var, entry["value"], entry["reason"], entry["link"], _bug_ids(entry["bugs"], bugs, at)))
+    return env
+
+
+def _workarounds(table: Mapping[str, Any], vllm: Mapping[str, Any], bugs, where: str) -> list[Workaround]:
     workarounds = []
-    for setting, entry in raw.get("workarounds", {}).items():
+    for setting, entry in table.items():
         at = f"{where}: workarounds.{setting}"
         if setting not in vllm:
             raise RecipeFileError(f"{at}: the recipe sets no vllm.{setting}")
@@ -328,14 +347,7 @@ def parse_serve_recipe(name: str, path: Path, raw: dict[str, Any], recipes_dir: 
         _check_link(_typed(entry["link"], str, f"{at}.link"), at)
         workarounds.append(Workaround(setting, _typed(entry["reason"], str, f"{at}.reason"), entry["link"],
                                       _bug_ids(entry["bugs"], bugs, at)))
-    limitations = _bug_ids(raw.get("limitations", []), bugs, f"{where}: limitations", empty_ok=True)
-    blockers = _bug_ids(raw.get("blockers", []), bugs, f"{where}: blockers", empty_ok=True)
-
-    recipe = ServeRecipe(name, path, raw["description"], model, raw["hf_id"], raw["quantization"],
-                         raw["cluster_only"], hardware, layout, vllm, tuple(env), tuple(workarounds),
-                         limitations, blockers, bugs)
-    check_recipe(recipe, build)
-    return recipe
+    return workarounds
 
 
 def settings_table(table: str, values: Mapping[str, Any], schema: Mapping[str, Setting], where: str) -> dict:
@@ -388,8 +400,7 @@ def blocking(recipe: ServeRecipe, target: str, build: Recipe) -> list[Bug]:
 
 def check_recipe(recipe: ServeRecipe, build: Recipe) -> None:
     """The checks an override can also break: RecipeFileError for values, LayoutError for layouts."""
-    where = str(recipe.path)
-    vllm, cfg = recipe.vllm, recipe.model.config
+    where, vllm = str(recipe.path), recipe.vllm
     check_hardware(recipe, build)
     for var in recipe.env:
         if not ENV_NAME.fullmatch(var.name):
@@ -402,6 +413,15 @@ def check_recipe(recipe: ServeRecipe, build: Recipe) -> None:
     if recipe.layout["cluster_backend"] not in CLUSTER_BACKENDS:
         raise RecipeFileError(f"{where}: cluster_backend {recipe.layout['cluster_backend']!r}; "
                               f"one of {', '.join(CLUSTER_BACKENDS)}")
+    _check_speculative(recipe, where)
+    _check_model_limits(recipe, where)
+    for target in recipe.targets:
+        check_backend(recipe, target, build)
+    check_layout(recipe)
+
+
+def _check_speculative(recipe: ServeRecipe, where: str) -> None:
+    vllm, cfg = recipe.vllm, recipe.model.config
     method = vllm.get("speculative_method")
     if (method is None) != ("num_speculative_tokens" not in vllm):
         raise RecipeFileError(f"{where}: speculative_method and num_speculative_tokens go together")
@@ -410,6 +430,11 @@ def check_recipe(recipe: ServeRecipe, build: Recipe) -> None:
     if method == "mtp" and cfg["num_nextn_predict_layers"] < 1:
         raise RecipeFileError(f"{where}: MTP needs a model with an MTP layer; {recipe.model.id} has "
                               f"num_nextn_predict_layers {cfg['num_nextn_predict_layers']}")
+
+
+def _check_model_limits(recipe: ServeRecipe, where: str) -> None:
+    """The tool parser, the context length and the indexer's top-k pattern against the model."""
+    vllm, cfg = recipe.vllm, recipe.model.config
     if vllm.get("enable_auto_tool_choice") and "tool_call_parser" not in vllm:
         raise RecipeFileError(f"{where}: enable_auto_tool_choice needs a tool_call_parser")
     if vllm["max_model_len"] > cfg["max_position_embeddings"]:
@@ -422,9 +447,6 @@ def check_recipe(recipe: ServeRecipe, build: Recipe) -> None:
         if pattern != derived:
             raise RecipeFileError(f"{where}: hf_overrides.index_topk_pattern {pattern!r} differs from the one "
                                   f"{recipe.model.id}'s config gives vLLM ({derived!r})")
-    for target in recipe.targets:
-        check_backend(recipe, target, build)
-    check_layout(recipe)
 
 
 def check_hardware(recipe: ServeRecipe, build: Recipe) -> None:
