@@ -274,7 +274,7 @@ def test_the_readme_is_at_most_200_lines():
 def test_the_readmes_sections_come_in_the_order_a_new_user_needs_them():
     headings = [line[3:] for line in README.splitlines() if line.startswith("## ")]
     assert len(headings) == len(README_SECTIONS), headings
-    for heading, words in zip(headings, README_SECTIONS):
+    for heading, words in zip(headings, README_SECTIONS, strict=True):
         assert heading.startswith(words), (heading, words)
 
 

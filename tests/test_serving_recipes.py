@@ -770,7 +770,7 @@ def test_a_launch_hands_docker_real_paths_and_a_failed_head_stops_the_workers_it
     assert _volume(head["argv"]) == f"{host_tools.here}/{cache}"  # this host's home, expanded here
     assert {_volume(c["argv"]) for c in starts} == {f"{host_tools.remote}/{cache}"}  # each worker's own
     assert [(c["node"], c["argv"]) for c in stops] == [(h, ["stop", n]) for h, n in
-                                                       reversed(list(zip(SPARK8_HOSTS[1:], workers)))]
+                                                       reversed(list(zip(SPARK8_HOSTS[1:], workers, strict=True)))]
 
 
 def test_a_worker_that_fails_to_start_stops_the_ones_before_it_and_starts_no_head(host_tools, monkeypatch):
