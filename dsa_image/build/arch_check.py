@@ -230,7 +230,8 @@ def check_extensions(site_packages: Path, targets: list[tuple[int, int]], cuobjd
     except DistInfoError as exc:
         raise ArchCheckError(str(exc)) from None
     table = extension_table(version)
-    results, found = [], {}
+    results: list[ExtensionResult] = []
+    found: dict[str, list[bool]] = {}
     for binary in sorted(package.rglob("*.so")):
         name = extension_name(binary)
         codes = list_codes(cuobjdump, binary)

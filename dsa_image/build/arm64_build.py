@@ -246,7 +246,7 @@ def main(argv: list[str]) -> int:
         qemu_ready(REPO_ROOT)
         image, _ = build(REPO_ROOT, recipe, args.base_image, args.log_dir)
         with tempfile.TemporaryDirectory(prefix="dsa-image-arm64-cpu-") as tmp:
-            cpu_mounts = ()
+            cpu_mounts: tuple[tuple[Path, str], ...] = ()
             if platform.machine() != "aarch64":
                 cpu_mounts = ((write_cpu_sysfs(Path(tmp) / "cpu", os.cpu_count() or 1), CPU_SYSFS),)
                 say(f"emulated: the checks see {CPU_SYSFS} with MIDR_EL1 {EMULATED_MIDR} (Cortex-X925); "

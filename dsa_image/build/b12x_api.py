@@ -34,7 +34,7 @@ def overlay_usage(source: str) -> dict[str, Usage]:
     usages: dict[str, Usage] = {}
     imported: dict[str, str] = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("b12x"):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("b12x"):
             usage = usages.setdefault(node.module, Usage(node.module))
             for alias in node.names:
                 usage.names.add(alias.name)
@@ -61,16 +61,23 @@ def _function_signature(node: ast.FunctionDef) -> Signature:
     positional = [a.arg for a in args.posonlyargs + args.args]
     with_default = positional[len(positional) - len(args.defaults):] if args.defaults else []
     required = {a for a in positional if a not in with_default}
-    required |= {a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is None}
+    required |= {a.arg for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is None}
     return Signature(positional, [a.arg for a in args.kwonlyargs], required)
 
 
 def _dataclass_signature(node: ast.ClassDef) -> Signature:
-    fields = [s for s in node.body if isinstance(s, ast.AnnAssign)
+    fields = [(s.target.id, s.value) for s in node.body if isinstance(s, ast.AnnAssign)
               and isinstance(s.target, ast.Name)]
-    names = [s.target.id for s in fields]
-    required = {s.target.id for s in fields if s.value is None}
+    names = [name for name, _ in fields]
+    required = {name for name, value in fields if value is None}
     return Signature(names, [], required)
+
+
+def _import_target(base: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` names; ``base`` is where its dots lead."""
+    if not node.level:
+        return node.module or ""  # absolute imports always name a module
+    return f"{base}.{node.module}" if node.module else base
 
 
 class WheelSources:
@@ -86,7 +93,8 @@ class WheelSources:
                         module = module[: -len(".__init__")]
                     self.files[module] = archive.read(name).decode()
 
-    def resolve(self, module: str, name: str, depth: int = 0):
+    def resolve(self, module: str, name: str,
+                depth: int = 0) -> ast.FunctionDef | ast.ClassDef | None:
         """The AST node defining ``module.name``, following ``from .x import``."""
         if module not in self.files or depth > 8:
             return None
@@ -101,9 +109,7 @@ class WheelSources:
                 base = package
                 for _ in range(max(node.level - 1, 0)):
                     base = base.rpartition(".")[0]
-                target = f"{base}.{node.module}" if node.level else node.module
-                if node.level and not node.module:
-                    target = base
+                target = _import_target(base, node)
                 original = next(a.name for a in node.names if (a.asname or a.name) == name)
                 return self.resolve(target, original, depth + 1)
         return None
@@ -149,7 +155,7 @@ def problems(wheel: Path, overlay_source: str) -> list[str]:
 def module_constants(source: str) -> dict[str, object]:
     """Module-level ``NAME = literal`` assignments of a source file, and ``NAME = OTHER`` where
     OTHER is such a constant assigned before (b12x aliases tile sizes so)."""
-    constants = {}
+    constants: dict[str, object] = {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             if isinstance(node.value, ast.Name):

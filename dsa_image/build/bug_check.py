@@ -12,8 +12,8 @@ from dsa_image.build import lock
 from dsa_image.core import wheels
 from dsa_image.core.recipe import RECIPES_DIR, Recipe
 from dsa_image.serving.recipes import bug_usage_problems
-from dsa_image.serving.workarounds import (Bug, BugError, load_bugs, source_problem, source_verdict, version_problem,
-                                           wheel_members)
+from dsa_image.serving.workarounds import (Bug, BugError, Source, load_bugs, source_problem, source_verdict,
+                                           version_problem, wheel_members)
 
 
 # -- the check of one base -----------------------------------------------------------------
@@ -62,10 +62,11 @@ def base_problems(bugs: Mapping[str, Bug], build: Recipe, online: bool,
     base, problems = build.vllm_version, []
     fetched: dict[str, Path] = {}  # one download and hash per package
 
-    def members(bug: Bug) -> tuple[Iterable[tuple[str, str]], str]:
+    def members(bug: Bug, source: Source) -> tuple[Iterable[tuple[str, str]], str]:
+        """The members of the wheel `bug.package` pinned that `source` (bug.source) reads."""
         if bug.package not in fetched:
             fetched[bug.package] = wheel_for(build, bug.package)
-        return wheel_members(fetched[bug.package], bug.source.files), fetched[bug.package].name
+        return wheel_members(fetched[bug.package], source.files), fetched[bug.package].name
 
     for bug in bugs.values():
         stale = sorted(set(bug.bases) - set(build.vllm_versions))
@@ -76,14 +77,14 @@ def base_problems(bugs: Mapping[str, Bug], build: Recipe, online: bool,
         if base not in bug.bases:
             found = ""
             if online and bug.source is not None:
-                found = "; its source says: " + " ".join(source_verdict(bug.source, members(bug)[0]))
+                found = "; its source says: " + " ".join(source_verdict(bug.source, members(bug, bug.source)[0]))
             problems.append(f'{bug.path}: no [bases."{base}"] decision ({bug.package} {version} pinned{found}); '
                             f"record pinned and verdict (`python3 scripts/recipe.py check --online --vllm {base}` "
                             "reads the source)")
             continue
         problem = version_problem(bug, base, version)
         if problem is None and online and bug.source is not None:
-            problem = source_problem(bug, base, *members(bug))
+            problem = source_problem(bug, base, *members(bug, bug.source))
         if problem:
             problems.append(problem)
     return problems

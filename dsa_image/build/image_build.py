@@ -33,7 +33,7 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 MIN_BUILDX = (0, 15)  # bake's `network` attribute
@@ -182,7 +182,7 @@ def parse_steps(log: str) -> list[Step]:
     return steps
 
 
-def bake_command(targets: list[str], options: BakeOptions, sets: list[str] = ()) -> list[str]:
+def bake_command(targets: list[str], options: BakeOptions, sets: Sequence[str] = ()) -> list[str]:
     command = ["docker", "buildx", "bake", *targets, "--progress", "plain", *options.allow_flags()]
     for item in sets:
         command += ["--set", item]
@@ -274,11 +274,15 @@ def run_build(command: list[str], repo: Path, env: dict[str, str], timeout: floa
     started = time.monotonic()
     process = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, errors="replace")
+    output = process.stdout
+    if output is None:  # stdout=PIPE always opens one
+        process.kill()
+        raise BuildError(f"{command[0]}: started without a pipe for its output")
     lines: list[str] = []
     live = LiveSteps()
 
     def read() -> None:
-        for line in process.stdout:
+        for line in output:
             lines.append(line)
             live.feed(line.rstrip("\n"), time.monotonic())
 
@@ -302,7 +306,7 @@ def run_build(command: list[str], repo: Path, env: dict[str, str], timeout: floa
     return subprocess.CompletedProcess(command, process.returncode, "".join(lines))
 
 
-def bake(repo: Path, target: str, options: BakeOptions, sets: list[str] = (), timeout: float = 3600,
+def bake(repo: Path, target: str, options: BakeOptions, sets: Sequence[str] = (), timeout: float = 3600,
          log_name: str | None = None, progress: Callable[[str], None] | None = None,
          heartbeat_s: float = 60) -> BuildResult:
     """Build one bake target; the log goes to options.log_dir/<log_name or bake-TARGET>.log.
@@ -496,7 +500,8 @@ class Preflight:
 
 def preflight_options(facts: HostFacts, recipe_base: str) -> Preflight:
     """The bake options that work on a host with these facts, and why each was chosen."""
-    notes, blockers = [], []
+    notes: list[str] = []
+    blockers: list[str] = []
     for problem in (facts.engine_problem, facts.buildx_problem):
         if problem and problem not in blockers:
             blockers.append(problem)

@@ -93,7 +93,7 @@ def _ninja_text(spec) -> str:
 
 def _driver_stub(objects: list[Path], into: Path) -> Path:
     """A libcuda.so with the driver's soname exporting the cu* symbols `objects` use."""
-    names = set()
+    names: set[str] = set()
     for obj in objects:
         out = subprocess.run(["nm", "-u", "--format=posix", str(obj)], capture_output=True, text=True, check=True)
         names.update(w.split()[0] for w in out.stdout.splitlines() if DRIVER_SYMBOL.match(w.split()[0]))

@@ -102,7 +102,8 @@ def receipts(tree: Tree, record: Path) -> dict[str, str]:
 
 def blocks(text: str) -> list[str]:
     """A Markdown text's paragraphs, list items and table rows, each on one line."""
-    found, current = [], []
+    found: list[str] = []
+    current: list[str] = []
     for line in text.splitlines():
         if not line.strip() or line.startswith("|") or re.match(r"\s*(?:[-*]|\d+\.) ", line):
             found.append(" ".join(current))
@@ -143,8 +144,8 @@ def _bake_receipts(repo: Path) -> dict[str, str]:
     return {version: entry["RECEIPT_SHA256"] for version, entry in bases.items()}
 
 
-def _claim_problems(block: str, ran: dict[str, str], bake: dict[str, str], where: str) -> list[str]:
-    claim = CLAIM.search(block)
+def _claim_problems(block: str, claim: re.Match[str], ran: dict[str, str], bake: dict[str, str],
+                    where: str) -> list[str]:
     quoted = f'{where}: "…{block[max(0, claim.start() - 80):claim.end()]}…"'
     advice = ("the overlay changed since that run: re-run it on today's overlay, or say what it ran "
               "(its receipt's sha256) without calling it the bake's")
@@ -168,10 +169,11 @@ def check_receipts(tree: Tree) -> list[str]:
     found = []
     for doc, record in docs:
         for block in blocks((tree.repo / doc).read_text()):
-            if CLAIM.search(block):
+            claim = CLAIM.search(block)
+            if claim:
                 spoken_for = [record] if record else linked_records(tree, doc, block)
                 ran = {sha: v for r in spoken_for for sha, v in receipts(tree, r).items()}
-                found += _claim_problems(block, ran, bake, str(doc))
+                found += _claim_problems(block, claim, ran, bake, str(doc))
     return found
 
 

@@ -126,9 +126,10 @@ def _members(path: str, size: int, mtime_ns: int) -> tuple[tuple[str, bytes], ..
             found: dict[str, bytes] = {}
             for info in tar:
                 name = _checked_name(info.name, path)
-                if not info.isreg() or name in found:
+                member = tar.extractfile(info) if info.isreg() else None
+                if member is None or name in found:
                     raise RecordError(f"{path}: member {name!r} is {'twice in it' if name in found else 'not a regular file'}")
-                found[name] = tar.extractfile(info).read()
+                found[name] = member.read()
     except (lzma.LZMAError, tarfile.TarError, OSError) as exc:
         raise RecordError(f"{path}: not a readable tar.xz ({exc})") from exc
     return tuple(sorted(found.items()))
@@ -256,7 +257,10 @@ def pack(record: Path) -> Cited:
     for directory in sorted({(record / n).parent for n in loose}, key=lambda p: -len(p.parts)):
         if directory != record and not any(directory.iterdir()):
             directory.rmdir()
-    return cited(text, str(readme))
+    claim = cited(text, str(readme))
+    if claim is None:  # _with_section wrote the section; losing it would be a bug here
+        raise RecordError(f"{readme}: the raw-data section just written is missing")
+    return claim
 
 
 def problems(record: Path) -> list[str]:

@@ -19,6 +19,7 @@ from typing import IO
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.models.containers import Container
 from docker.types import DeviceRequest
 
 from dsa_image.smoke.gpu import gpus_held, host_runner, query_gpus
@@ -122,7 +123,7 @@ class DockerServer:
         self.run_id = uuid.uuid4().hex[:12]
         self.client = client
         self.image = image  # the Docker SDK's image of image_ref, when the caller has looked it up
-        self.container = None
+        self.container: Container | None = None
         self.follower: LogFollower | None = None
         self.base_url = f"http://127.0.0.1:{port}"
         self.verify_command = f"docker exec CONTAINER <image entrypoint> {VERIFY_ARG}"
@@ -160,17 +161,18 @@ class DockerServer:
         else:
             options["ports"] = {f"{self.port}/tcp": ("127.0.0.1", None)}
         try:
-            self.container = self._client().containers.create(**options)
-            self.container.start()
+            # Kept before it starts: a container that fails to start is still one `stop` removes.
+            self.container = container = self._client().containers.create(**options)
+            container.start()
         except APIError as e:
             hint = (" (the GPU request failed: is the NVIDIA container toolkit installed and a GPU present?)"
                     if self.gpus is not None and "gpu" in str(e).lower() else "")
             raise StartError(f"docker refused to start {self.image_ref}: {e.explanation or e}{hint}") from None
         if self.network != "host":
-            self.container.reload()
-            host_port = self.container.ports[f"{self.port}/tcp"][0]["HostPort"]
+            container.reload()
+            host_port = container.ports[f"{self.port}/tcp"][0]["HostPort"]
             self.base_url = f"http://127.0.0.1:{host_port}"
-        self.follower = LogFollower(self.container.logs(stream=True, follow=True), self.log_path, self.echo).start()
+        self.follower = LogFollower(container.logs(stream=True, follow=True), self.log_path, self.echo).start()
 
     # -- while running -------------------------------------------------------------------
 

@@ -329,7 +329,7 @@ def entrypoint_serve_argv(log: str) -> list[str] | None:
 
 def logged_layout(log: str, layout: Layout) -> dict:
     """The report's `parallel` fields read from the log."""
-    found = {"ranks_logged": logged_ranks(log), "ranks_started": started_ranks(log),
+    found: dict[str, object] = {"ranks_logged": logged_ranks(log), "ranks_started": started_ranks(log),
              "worker_names": worker_names(log)}
     if layout.backend == "ray":
         found["ray_log"] = ray_from_log(log)

@@ -6,6 +6,7 @@ workers): stopping it signals the whole group, SIGTERM then SIGKILL.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -113,7 +114,11 @@ class LocalServer:
                                          stdin=subprocess.DEVNULL, env=self.env, cwd="/", start_new_session=True)
         except OSError as e:
             raise StartError(f"{self.command[0]}: {e}") from None
-        chunks = iter(lambda: self.proc.stdout.read1(65536), b"")
+        stdout = self.proc.stdout
+        if not isinstance(stdout, io.BufferedReader):  # stdout=PIPE, default buffering: always one
+            self.stop()
+            raise StartError(f"{self.command[0]}: started without a pipe to read its log from")
+        chunks = iter(lambda: stdout.read1(65536), b"")
         self.follower = LogFollower(chunks, self.log_path, self.echo).start()
 
     def exit_code(self) -> int | None:
@@ -168,11 +173,12 @@ class LocalServer:
         except OSError:
             return False
         for _ in range(MAX_PROCESS_DEPTH):
-            pid = parent_pid(pid)
-            if pid is None or pid <= 1:
+            parent = parent_pid(pid)
+            if parent is None or parent <= 1:
                 return False
-            if pid == self.proc.pid:
+            if parent == self.proc.pid:
                 return True
+            pid = parent
         return False
 
     def layout_facts(self) -> dict:

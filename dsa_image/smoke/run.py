@@ -91,10 +91,13 @@ class LogFollower:
                 self._echo.write(f"smoke: log stream ended: {e}\n")
 
     def _show(self, lines: list[bytes]) -> None:
+        echo = self._echo
+        if echo is None:  # no terminal asked for, or it closed under an earlier chunk
+            return
         try:
             for line in lines:
-                self._echo.write(self._prefix + line.decode(errors="replace") + "\n")
-            self._echo.flush()
+                echo.write(self._prefix + line.decode(errors="replace") + "\n")
+            echo.flush()
         except (OSError, ValueError):
             self._echo = None  # a closed terminal must not stop the log file
 
@@ -213,6 +216,9 @@ def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str |
         report.errors.append(str(e))
         return
     report.target = target.id
+    if report.served_model_name is None:  # the CLI sets it from the recipe before the run
+        report.errors.append("no served model name to ask the server for; the server was not started")
+        return
     try:
         server.start()
     except StartError as e:
@@ -228,8 +234,9 @@ def _run_checks(server: Server, report: Report, recipe: Recipe, target_id: str |
     _describe(server, report)
     if not healthy.passed:
         return
-    # Now, while it serves: the GPUs its processes hold are the ones it uses.
-    report.parallel.update(_layout_facts(server))
+    # Now, while it serves: the GPUs its processes hold are the ones it uses. run_smoke has
+    # recorded the layout asked in report.parallel; these facts join it.
+    report.parallel = {**(report.parallel or {}), **_layout_facts(server)}
     report.checks += C.run_http_checks(client, report.served_model_name)
     report.timings["requests_s"] = {c.name: c.details.get("latency_s") for c in report.checks
                                     if c.details.get("latency_s") is not None}
