@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from dsa_image.build import lock
+from dsa_image.build import lock, lock_parse
 from dsa_image.core import wheels
 from dsa_image.core.atomic import write_atomic
 from dsa_image.overlay.manifest import Manifest
@@ -416,12 +416,12 @@ def pinned_sdist(recipe: Recipe) -> Path:
 def lib_requirements(recipe: Recipe, lock_path: Path) -> str:
     """The recipe's [upstream_tests] packages as pip requirements, each with the hashes of the lock."""
     try:
-        pins = lock.parse_lock(lock_path.read_text())
-    except (OSError, lock.LockError) as exc:
+        pins = lock_parse.parse_lock(lock_path.read_text())
+    except (OSError, lock_parse.LockError) as exc:
         raise UpstreamTestsError(f"{lock_path}: cannot read the lock ({exc}); run `{lock.COMPILE_COMMAND}`") from exc
     lines = []
     for name in recipe.upstream_test_packages:
-        pin = pins.get(lock.normalize(name))
+        pin = pins.get(lock_parse.normalize(name))
         if pin is None:
             raise UpstreamTestsError(f"{lock_path}: no pin for {name} ([upstream_tests] packages); run "
                                      f"`{lock.COMPILE_COMMAND}`")
