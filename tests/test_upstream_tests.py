@@ -1,4 +1,4 @@
-"""dsa_image.upstream.gate: vLLM's own tests as the overlay's gate.
+"""dsa_image.upstream (its face: gate): vLLM's own tests as the overlay's gate.
 
 Selection on a synthetic tests tree with the imports that are easy to miss; the sdist read as
 bytes, never extracted; the bundle refusing any change; the comparison's rule; and the runner

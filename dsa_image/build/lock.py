@@ -19,7 +19,7 @@ and sdist sha256 from the downloaded files, tries the base image digest, generat
                                       recipes/requirements/upstream-tests.in), shared by every
                                       base: exactly those packages (--no-deps: their requirements
                                       are vLLM's and the test runner's), installed into the
-                                      upstream tests' bundle (dsa_image/upstream/gate.py)
+                                      upstream tests' bundle (dsa_image/upstream/bundle.py)
 
 Every hash in a lock comes from the index, through the resolver (`resolver_seed` keeps the
 previous lock's versions but never its hashes), except the vllm pin's: it carries exactly the
