@@ -203,7 +203,7 @@ ARG VLLM_VERSION
 COPY dsa_image/__init__.py /opt/dsa-image/upstream-tool/dsa_image/
 COPY dsa_image/core/__init__.py dsa_image/core/atomic.py dsa_image/core/dist_info.py dsa_image/core/recipe.py \
      dsa_image/core/site_path.py dsa_image/core/wheels.py /opt/dsa-image/upstream-tool/dsa_image/core/
-COPY dsa_image/build/__init__.py dsa_image/build/lock.py dsa_image/build/registry.py /opt/dsa-image/upstream-tool/dsa_image/build/
+COPY dsa_image/build/__init__.py dsa_image/build/lock.py dsa_image/build/lock_parse.py dsa_image/build/registry.py /opt/dsa-image/upstream-tool/dsa_image/build/
 COPY dsa_image/overlay/__init__.py dsa_image/overlay/manifest.py dsa_image/overlay/fs.py dsa_image/overlay/core.py /opt/dsa-image/upstream-tool/dsa_image/overlay/
 COPY dsa_image/upstream/ /opt/dsa-image/upstream-tool/dsa_image/upstream/
 COPY scripts/upstream_tests.py /opt/dsa-image/upstream-tool/scripts/

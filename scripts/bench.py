@@ -6,7 +6,8 @@
     python3 scripts/bench.py plot RESULTS.json [...] [--out DIR]             PNGs (matplotlib, no GPU)
     python3 scripts/bench.py table RESULTS.json [...]                        markdown rows
 
-The code is dsa_image/bench/paired.py; docs/benchmarks/README.md says how to read the results.
+The code is dsa_image/bench/ (paired.py runs it and is this command line);
+docs/benchmarks/README.md says how to read the results.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.build import b12x_api, lock
+from dsa_image.build import b12x_api, lock, lock_parse
 from dsa_image.overlay import cli as overlay
 from dsa_image.core import wheels
 from dsa_image.core.recipe import Recipe, load_every_base
@@ -33,7 +33,7 @@ def pinned_b12x(recipe: Recipe) -> tuple[str, str]:
     """(wheel filename, sha256) of the b12x wheel the base's sm120 image installs."""
     target = recipe.targets["sm120"]
     extra = next(e for e in target.extras if e.name == "b12x")
-    pins = lock.parse_lock(lock.target_lock(recipe, target, "amd64").read_text())
+    pins = lock_parse.parse_lock(lock.target_lock(recipe, target, "amd64").read_text())
     pin = pins["b12x"]
     assert pin.version == extra.version, "the sm120 lock and the recipe disagree on b12x"
     filename = f"b12x-{extra.version}-py3-none-any.whl"

@@ -1,4 +1,4 @@
-"""The paired benchmark (dsa_image/bench/paired.py) and the serving modes' pure parts, on the CPU:
+"""The paired benchmark (dsa_image/bench/) and the serving modes' pure parts, on the CPU:
 the bootstrap interval, the alternating schedule, the ratio direction, the results schema, the
 streaming client and whole runs against a fake OpenAI-compatible vLLM.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.bench import paired as bench
+from dsa_image.bench import client, paired as bench, plots, report, schedule, stats
 from dsa_image.runtime import spec_decode_metrics
 from dsa_image.validation import serving_modes
 
@@ -388,18 +388,18 @@ def test_quantile_matches_numpy():
     for n in (1, 2, 5, 20):
         values = sorted(rng.uniform(0, 10) for _ in range(n))
         for q in (0.0, 0.025, 0.5, 0.99, 1.0):
-            assert bench.quantile(values, q) == pytest.approx(float(np.quantile(values, q)))
+            assert stats.quantile(values, q) == pytest.approx(float(np.quantile(values, q)))
 
 
 def test_bootstrap_is_seeded_and_exact_on_a_small_case():
     # The median of 3 draws from {1, 2, 3} is 1 with probability 7/27 (> 2.5%): the 95%
     # interval is exactly [1, 3], and the point estimate is the sample median.
-    assert bench.bootstrap_median_ci([1.0, 2.0, 3.0], resamples=4000, seed=1) == (2.0, 1.0, 3.0)
+    assert stats.bootstrap_median_ci([1.0, 2.0, 3.0], resamples=4000, seed=1) == (2.0, 1.0, 3.0)
     values = [random.Random(5).gauss(1, 0.1) for _ in range(15)]
-    assert bench.bootstrap_median_ci(values, seed=7) == bench.bootstrap_median_ci(values, seed=7)
-    assert bench.bootstrap_median_ci([1.25] * 9) == (1.25, 1.25, 1.25)
+    assert stats.bootstrap_median_ci(values, seed=7) == stats.bootstrap_median_ci(values, seed=7)
+    assert stats.bootstrap_median_ci([1.25] * 9) == (1.25, 1.25, 1.25)
     with pytest.raises(ValueError):
-        bench.bootstrap_median_ci([])
+        stats.bootstrap_median_ci([])
 
 
 def test_bootstrap_interval_covers_a_known_median_about_95_percent_of_the_time():
@@ -410,7 +410,7 @@ def test_bootstrap_interval_covers_a_known_median_about_95_percent_of_the_time()
     covered = 0
     for trial in range(300):
         ratios = [1.05 * math.exp(rng.gauss(0, 0.08)) for _ in range(20)]
-        _, low, high = bench.bootstrap_median_ci(ratios, resamples=1000, seed=trial)
+        _, low, high = stats.bootstrap_median_ci(ratios, resamples=1000, seed=trial)
         covered += low <= 1.05 <= high
     assert 0.88 <= covered / 300 <= 0.99
 
@@ -419,32 +419,32 @@ def test_bootstrap_interval_narrows_with_more_rounds():
     rng = random.Random(2)
     few = [1.0 + rng.gauss(0, 0.1) for _ in range(10)]
     many = [1.0 + rng.gauss(0, 0.1) for _ in range(160)]
-    _, lo_few, hi_few = bench.bootstrap_median_ci(few, resamples=2000)
-    _, lo_many, hi_many = bench.bootstrap_median_ci(many, resamples=2000)
+    _, lo_few, hi_few = stats.bootstrap_median_ci(few, resamples=2000)
+    _, lo_many, hi_many = stats.bootstrap_median_ci(many, resamples=2000)
     assert (hi_many - lo_many) < 0.5 * (hi_few - lo_few)
 
 
 def test_verdict_follows_each_metrics_direction():
     # output tokens/s: higher is better; times: lower is better.
-    assert bench.verdict(1.02, 1.10, +1) == "B ahead"
-    assert bench.verdict(0.90, 0.97, +1) == "B behind"
-    assert bench.verdict(1.02, 1.10, -1) == "B behind"
-    assert bench.verdict(0.90, 0.97, -1) == "B ahead"
-    assert bench.verdict(0.97, 1.03, +1) == bench.verdict(0.97, 1.03, -1) == "within interval"
+    assert stats.verdict(1.02, 1.10, +1) == "B ahead"
+    assert stats.verdict(0.90, 0.97, +1) == "B behind"
+    assert stats.verdict(1.02, 1.10, -1) == "B behind"
+    assert stats.verdict(0.90, 0.97, -1) == "B ahead"
+    assert stats.verdict(0.97, 1.03, +1) == stats.verdict(0.97, 1.03, -1) == "within interval"
 
 
 def test_ratios_are_b_over_a_and_a_round_with_an_error_does_not_count():
     a = {"errors": 0, "output_tok_s": 100.0, "ttft_p50_s": 0.2, "ttft_p99_s": 0.4, "tpot_s": 0.01}
     b = {"errors": 0, "output_tok_s": 110.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.4, "tpot_s": 0.02}
-    ratios = bench.round_ratios(a, b)
+    ratios = stats.round_ratios(a, b)
     assert ratios == pytest.approx({"output_tok_s": 1.1, "ttft_p50_s": 0.5, "ttft_p99_s": 1.0, "tpot_s": 2.0})
-    assert bench.round_ratios(a, {**b, "errors": 1}) is None
+    assert stats.round_ratios(a, {**b, "errors": 1}) is None
 
 
 def test_summary_reports_median_interval_and_verdict_per_metric():
     rounds = [{"ratios": {"output_tok_s": 0.9 + 0.001 * i, "ttft_p50_s": 1.0, "ttft_p99_s": None, "tpot_s": 1.1}}
               for i in range(20)] + [{"ratios": None}]
-    summary = bench.summarize(rounds, resamples=500, confidence=0.95, seed=0)
+    summary = stats.summarize(rounds, resamples=500, confidence=0.95, seed=0)
     assert summary["output_tok_s"]["n"] == 20
     assert summary["output_tok_s"]["median_ratio"] == pytest.approx(0.9095)
     assert summary["output_tok_s"]["verdict"] == "B behind"
@@ -454,65 +454,65 @@ def test_summary_reports_median_interval_and_verdict_per_metric():
 
 
 def test_side_stats_from_known_samples():
-    samples = [bench.Sample(start=0.0, end=1.0, tokens=11, first_token=0.1, last_token=0.6),
-               bench.Sample(start=0.5, end=2.0, tokens=11, first_token=0.8, last_token=1.8),
-               bench.Sample(start=0.5, end=9.0, error="HTTP 500")]
-    stats = bench.side_stats(samples)
-    assert stats["errors"] == 1 and stats["output_tokens"] == 22
-    assert stats["wall_s"] == 9.0 and stats["output_tok_s"] == pytest.approx(22 / 9)
-    assert stats["ttft_p50_s"] == pytest.approx(0.2)  # ttfts 0.1 and 0.3
-    assert stats["ttft_p99_s"] == pytest.approx(0.1 + 0.2 * 0.99)
-    assert stats["tpot_s"] == pytest.approx((0.05 + 0.1) / 2)
+    samples = [client.Sample(start=0.0, end=1.0, tokens=11, first_token=0.1, last_token=0.6),
+               client.Sample(start=0.5, end=2.0, tokens=11, first_token=0.8, last_token=1.8),
+               client.Sample(start=0.5, end=9.0, error="HTTP 500")]
+    side = client.side_stats(samples)
+    assert side["errors"] == 1 and side["output_tokens"] == 22
+    assert side["wall_s"] == 9.0 and side["output_tok_s"] == pytest.approx(22 / 9)
+    assert side["ttft_p50_s"] == pytest.approx(0.2)  # ttfts 0.1 and 0.3
+    assert side["ttft_p99_s"] == pytest.approx(0.1 + 0.2 * 0.99)
+    assert side["tpot_s"] == pytest.approx((0.05 + 0.1) / 2)
 
 
 # -- schedule, plan, prompts --------------------------------------------------------------------
 
 
 def test_order_alternates_and_each_build_goes_first_equally_often():
-    orders = [bench.round_order(i) for i in range(10)]
+    orders = [schedule.round_order(i) for i in range(10)]
     assert orders[0] == ("A", "B") and orders[1] == ("B", "A")
     assert all(orders[i] != orders[i + 1] for i in range(9))
     assert sum(o[0] == "A" for o in orders) == sum(o[0] == "B" for o in orders) == 5
-    assert [bench.even_up(x) for x in (0.2, 1, 2, 3, 4.1, 20)] == [2, 2, 2, 4, 6, 20]
+    assert [schedule.even_up(x) for x in (0.2, 1, 2, 3, 4.1, 20)] == [2, 2, 2, 4, 6, 20]
 
 
 def test_default_plan_meets_the_issues_minimums():
-    plan = bench.Plan.select(None)
+    plan = schedule.Plan.select(None)
     by_name = {w.name: w for w in plan.workloads}
     assert all(w.rounds >= 20 for w in plan.workloads if w.concurrency == 1)
     assert all(w.rounds >= 10 for w in plan.workloads if w.concurrency >= 32)
     assert {(512, 128, 1), (512, 128, 8), (512, 128, 32), (6000, 128, 8)} <= {
         (w.input_len, w.output_len, w.concurrency) for w in plan.workloads}
-    assert by_name["32000x128-c1"].group == "long" and bench.GROUPS["long"].max_model_len >= 65536
-    assert {g.name for g in plan.groups} == set(bench.GROUPS)
-    assert all(w.input_len + w.output_len <= bench.GROUPS[w.group].max_model_len for w in plan.workloads)
+    assert by_name["32000x128-c1"].group == "long" and schedule.GROUPS["long"].max_model_len >= 65536
+    assert {g.name for g in plan.groups} == set(schedule.GROUPS)
+    assert all(w.input_len + w.output_len <= schedule.GROUPS[w.group].max_model_len for w in plan.workloads)
 
 
 def test_plan_selects_and_scales():
-    plan = bench.Plan.select(["mtp3", "512x128-c32"], rounds_scale=0.25, requests_scale=0.1)
+    plan = schedule.Plan.select(["mtp3", "512x128-c32"], rounds_scale=0.25, requests_scale=0.1)
     assert [w.name for w in plan.workloads] == ["512x128-c32", "mtp3-512x128-c1", "mtp3-512x128-c8"]
     assert [g.name for g in plan.groups] == ["base", "mtp3"]
     assert all(w.rounds % 2 == 0 and w.rounds >= 2 for w in plan.workloads)
     assert all(w.requests >= w.concurrency for w in plan.workloads)
     with pytest.raises(SystemExit, match="unknown"):
-        bench.Plan.select(["512x128-c2"])
+        schedule.Plan.select(["512x128-c2"])
 
 
 def test_estimate_grows_with_rounds_and_uses_warm_start_up():
-    full, quick = bench.Plan.select(None), bench.Plan.select(None, rounds_scale=0.2)
-    assert bench.estimate(full, False)["total_s"] > bench.estimate(quick, False)["total_s"]
-    assert bench.estimate(full, True)["startup_s"] < bench.estimate(full, False)["startup_s"]
-    assert "estimated total" in bench.describe(full, bench.estimate(full, False))
+    full, quick = schedule.Plan.select(None), schedule.Plan.select(None, rounds_scale=0.2)
+    assert schedule.estimate(full, False)["total_s"] > schedule.estimate(quick, False)["total_s"]
+    assert schedule.estimate(full, True)["startup_s"] < schedule.estimate(full, False)["startup_s"]
+    assert "estimated total" in schedule.describe(full, schedule.estimate(full, False))
 
 
 def test_round_prompts_are_shared_by_a_and_b_and_new_every_round():
-    w = bench.Workload("t", "base", 50, 4, 2, 3, 2)
+    w = schedule.Workload("t", "base", 50, 4, 2, 3, 2)
     ids = list(range(8, 1024))
-    first = bench.round_prompts(w, 0, ids, seed=0)
-    assert first == bench.round_prompts(w, 0, ids, seed=0)
+    first = schedule.round_prompts(w, 0, ids, seed=0)
+    assert first == schedule.round_prompts(w, 0, ids, seed=0)
     assert [len(p) for p in first] == [50, 50, 50]
     assert len({tuple(p) for p in first}) == 3
-    assert not {tuple(p) for p in first} & {tuple(p) for p in bench.round_prompts(w, 1, ids, seed=0)}
+    assert not {tuple(p) for p in first} & {tuple(p) for p in schedule.round_prompts(w, 1, ids, seed=0)}
     assert all(8 <= t < 1024 for p in first for t in p)
 
 
@@ -526,7 +526,7 @@ def test_prompt_ids_leave_out_the_special_tokens(tiny_model):
 
 def test_stream_completion_times_the_first_and_each_token():
     with FakeServer(FakeOpenAI(ttft_s=0.05, token_s=0.01)) as server:
-        sample = bench.stream_completion(server.port, "glm-5", [9, 10, 11], 12)
+        sample = client.stream_completion(server.port, "glm-5", [9, 10, 11], 12)
     assert sample.error is None and sample.tokens == 12
     assert 0.05 <= sample.ttft < 0.5
     assert 0.008 <= sample.tpot < 0.05
@@ -538,28 +538,28 @@ def test_stream_completion_times_the_first_and_each_token():
 def test_stream_completion_counts_tokens_that_decode_to_no_text():
     # Without usage in its chunks, each choice chunk is a token, its text "" or not (a lone byte).
     with FakeServer(FakeOpenAI(faults={"no_usage", "empty_text"})) as server:
-        sample = bench.stream_completion(server.port, "glm-5", [9, 10, 11], 12)
+        sample = client.stream_completion(server.port, "glm-5", [9, 10, 11], 12)
     assert sample.error is None and sample.tokens == 12 and sample.tpot is not None
-    assert bench._tokens_so_far({"choices": [{"index": 0, "text": "", "token_ids": [5, 6]}]}, 3) == 5
+    assert client._tokens_so_far({"choices": [{"index": 0, "text": "", "token_ids": [5, 6]}]}, 3) == 5
 
 
 @pytest.mark.parametrize("fault, message", [("http_500", "HTTP 500"), ("short", "11 tokens, expected 12"),
                                             ("no_done", "without data: [DONE]")])
 def test_stream_completion_reports_a_broken_answer(fault, message):
     with FakeServer(FakeOpenAI(faults={fault})) as server:
-        sample = bench.stream_completion(server.port, "glm-5", [9], 12)
+        sample = client.stream_completion(server.port, "glm-5", [9], 12)
     assert message in sample.error
 
 
 def test_stream_completion_reports_no_server():
-    sample = bench.stream_completion(free_ports(1), "glm-5", [9], 4, timeout=5)
+    sample = client.stream_completion(free_ports(1), "glm-5", [9], 4, timeout=5)
     assert "ConnectionRefused" in sample.error
 
 
 def test_a_round_keeps_concurrency_requests_in_flight():
     with FakeServer(FakeOpenAI(ttft_s=0.02, token_s=0.005)) as server:
         prompts = [[8 + i] * 5 for i in range(8)]
-        samples = bench.run_round(server.port, "glm-5", prompts, 6, concurrency=4)
+        samples = client.run_round(server.port, "glm-5", prompts, 6, concurrency=4)
     assert server.state.max_active == 4
     assert len(samples) == 8 and all(s.error is None and s.tokens == 6 for s in samples)
     assert sorted(r["prompt"][0] for r in server.state.requests) == list(range(8, 16))
@@ -593,7 +593,7 @@ def test_spec_counters_are_parsed_summed_and_turned_into_rates():
 def test_spec_counters_are_scraped_as_deltas_over_requests():
     with FakeServer(FakeOpenAI(spec=True)) as server:
         before = spec_decode_metrics.scrape_spec_counters(server.port)
-        bench.stream_completion(server.port, "glm-5", [9], 16)
+        client.stream_completion(server.port, "glm-5", [9], 16)
         delta = spec_decode_metrics.counter_delta(before, spec_decode_metrics.scrape_spec_counters(server.port))
     assert delta == {"drafts": 8.0, "draft_tokens": 16.0, "accepted_tokens": 4.0, "accepted_per_position": [2.0, 2.0]}
 
@@ -614,7 +614,7 @@ def test_a_run_writes_results_that_follow_the_schema(tmp_path, tiny_model):
     code, doc = _run_bench(tmp_path, tiny_model, "--workloads", "512x128-c8", "mtp1-512x128-c1",
                            "--rounds-scale", "0.2", "--requests-scale", "0.5")
     assert code == 0, doc.get("error")
-    assert bench.schema_problems(doc) == []
+    assert report.schema_problems(doc) == []
     assert doc["command"].startswith("scripts/bench.py run --a-site")
     assert doc["environment"]["builds"]["A"]["versions"]["vllm"] == "0.24.0"
     assert [w["name"] for w in doc["workloads"]] == ["512x128-c8", "mtp1-512x128-c1"]
@@ -643,13 +643,13 @@ def test_a_build_that_answers_other_tokens_is_counted_prompt_by_prompt_not_faile
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert code == 0 and doc["workloads"][0]["texts"] == {"compared": 4, "equal": 0}
     assert "512x128-c1: texts equal for 0 of 4 prompts" in capsys.readouterr().out
-    assert bench.levels_table([doc]).splitlines()[2].endswith("| 0 of 4 |")
+    assert report.levels_table([doc]).splitlines()[2].endswith("| 0 of 4 |")
 
 
 def test_rounds_with_an_error_or_from_older_results_compare_no_texts():
     ok = {"error": None, "text_sha256": "x"}
-    assert bench.texts_compared([ok, {**ok, "error": "HTTP 500"}], [ok, ok]) == {"compared": 1, "equal": 1}
-    assert bench.texts_compared([{"error": None}], [ok]) == {"compared": 0, "equal": 0}
+    assert stats.texts_compared([ok, {**ok, "error": "HTTP 500"}], [ok, ok]) == {"compared": 1, "equal": 1}
+    assert stats.texts_compared([{"error": None}], [ok]) == {"compared": 0, "equal": 0}
     assert bench.workload_texts([{"texts": {"compared": 2, "equal": 1}}, {}]) == {"compared": 2, "equal": 1}
 
 
@@ -770,9 +770,9 @@ def test_a_base_workload_needs_no_drafts(tmp_path, tiny_model):
 
 
 def test_speculative_reads_the_server_arguments():
-    assert bench.speculative(bench._server_args(bench.parse_args(_RUN_ARGS), bench.GROUPS["mtp3"]))
-    assert not bench.speculative(bench._server_args(bench.parse_args(_RUN_ARGS), bench.GROUPS["base"]))
-    assert bench.speculative(["--speculative-config={\"method\": \"mtp\"}"])
+    assert schedule.speculative(bench._server_args(bench.parse_args(_RUN_ARGS), schedule.GROUPS["mtp3"]))
+    assert not schedule.speculative(bench._server_args(bench.parse_args(_RUN_ARGS), schedule.GROUPS["base"]))
+    assert schedule.speculative(["--speculative-config={\"method\": \"mtp\"}"])
 
 
 _RUN_ARGS = ["run", "--a-site", "a", "--b-site", "b", "--model", "m", "--out", "o"]
@@ -810,12 +810,12 @@ def test_the_long_group_serves_a_model_that_allows_its_length(tmp_path, tiny_mod
 
 
 def _results_doc() -> dict:
-    rounds = [{"index": i, "order": list(bench.round_order(i)), "sides": {"A": {}, "B": {}},
+    rounds = [{"index": i, "order": list(schedule.round_order(i)), "sides": {"A": {}, "B": {}},
                "ratios": {"output_tok_s": 1.0 + 0.01 * i, "ttft_p50_s": 0.98, "ttft_p99_s": 1.02, "tpot_s": 1.0}}
               for i in range(4)]
-    workload = {**asdict(bench.WORKLOADS[0]), "rounds_planned": 4, "rounds_done": 4, "rounds": rounds,
-                "summary": bench.summarize(rounds, 200, 0.95, 0), "spec_decode": {"A": {"acceptance_rate": 0.5}, "B": None}}
-    return {"schema": bench.SCHEMA, "created": "2026-12-01T00:00:00+00:00", "command": "scripts/bench.py run",
+    workload = {**asdict(schedule.WORKLOADS[0]), "rounds_planned": 4, "rounds_done": 4, "rounds": rounds,
+                "summary": stats.summarize(rounds, 200, 0.95, 0), "spec_decode": {"A": {"acceptance_rate": 0.5}, "B": None}}
+    return {"schema": report.SCHEMA, "created": "2026-12-01T00:00:00+00:00", "command": "scripts/bench.py run",
             "environment": {"gpu": {"gpus": [{"name": "NVIDIA H200"}]}, "builds": {}}, "settings": {},
             "groups": {}, "workloads": [workload]}
 
@@ -830,13 +830,13 @@ def _results_doc() -> dict:
 ])
 def test_schema_names_what_is_wrong(mutate, problem):
     doc = _results_doc()
-    assert bench.schema_problems(doc) == []
+    assert report.schema_problems(doc) == []
     mutate(doc)
-    assert any(problem in p for p in bench.schema_problems(doc))
+    assert any(problem in p for p in report.schema_problems(doc))
 
 
 def test_table_shows_each_workloads_ratios_and_intervals():
-    text = bench.table([_results_doc()])
+    text = report.table([_results_doc()])
     row = [line for line in text.splitlines() if line.startswith("| 512x128-c1")][0]
     assert "| 4 |" in row and row.count("[") == 4
     assert "1.015 [" in row  # median of 1.00, 1.01, 1.02, 1.03
@@ -850,7 +850,7 @@ def test_levels_show_each_builds_medians_and_the_ratio_by_who_went_first():
                       "B": {"stats": {"output_tok_s": b, "ttft_p50_s": 0.012, "tpot_s": None}}}
         r["ratios"]["output_tok_s"] = b / a
     doc["workloads"][0]["rounds"][3]["ratios"] = None  # a round with an error counts nowhere
-    (row,) = [line for line in bench.levels_table([doc]).splitlines() if line.startswith("| 512x128-c1")]
+    (row,) = [line for line in report.levels_table([doc]).splitlines() if line.startswith("| 512x128-c1")]
     assert row == "| 512x128-c1 | 100 / 110 | 10.0 / 12.0 | 2.00 / n/a | 1.100 | 0.909 |"
 
 
@@ -858,7 +858,7 @@ def test_plots_are_made_from_the_json_alone(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is not in this environment (requirements-dev.in adds it)")
     path = tmp_path / "results.json"
     path.write_text(json.dumps(_results_doc()))
-    written = bench.plot([str(path)], str(tmp_path / "png"))
+    written = plots.plot([str(path)], str(tmp_path / "png"))
     assert sorted(p.name for p in written) == ["acceptance.png", "ratios.png", "rounds-512x128-c1.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
 
@@ -867,17 +867,17 @@ def test_a_plot_title_names_both_bases_of_a_base_vs_base_run_and_one_otherwise()
     doc = _results_doc()
     doc["environment"]["builds"] = {side: {"name": f"overlay-{v}", "versions": {"vllm": v}}
                                     for side, v in (("A", "0.24.0"), ("B", "0.33.0"))}
-    assert bench._title(doc) == ("NVIDIA H200, vLLM 0.24.0 vs 0.33.0, A=overlay-0.24.0 vs B=overlay-0.33.0, "
+    assert plots._title(doc) == ("NVIDIA H200, vLLM 0.24.0 vs 0.33.0, A=overlay-0.24.0 vs B=overlay-0.33.0, "
                                  "2026-12-01")
     doc["environment"]["builds"]["A"] = {"name": "stock", "versions": {"vllm": "0.33.0"}}
-    assert bench._title(doc).startswith("NVIDIA H200, vLLM 0.33.0, A=stock vs B=overlay-0.33.0")
+    assert plots._title(doc).startswith("NVIDIA H200, vLLM 0.33.0, A=stock vs B=overlay-0.33.0")
 
 
 def test_plot_refuses_a_file_that_is_not_results(tmp_path):
     path = tmp_path / "other.json"
-    path.write_text(json.dumps({"schema": bench.SCHEMA}))
+    path.write_text(json.dumps({"schema": report.SCHEMA}))
     with pytest.raises(ValueError, match="not a benchmark results file"):
-        bench.load_results(path)
+        report.load_results(path)
 
 
 # -- serving modes ------------------------------------------------------------------------------
@@ -1013,7 +1013,7 @@ def test_the_benchmark_readme_lists_the_workloads_as_the_code_defines_them():
             prompt, output = cells[2].split(" / ")
             rows[cells[0].strip("`")] = (cells[1], int(prompt), int(output), int(cells[3]), int(cells[4]), int(cells[5]))
     assert rows == {w.name: (w.group, w.input_len, w.output_len, w.concurrency, w.requests, w.rounds)
-                    for w in bench.WORKLOADS}
+                    for w in schedule.WORKLOADS}
 
 
 def test_spec_counters_are_read_until_they_stop_moving(monkeypatch):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.bench import paired as bench
+from dsa_image.bench import report, schedule, stats
 from dsa_image.validation import warmstart
 from record_files import BENCHMARKS, VALIDATION, unpacked
 
@@ -26,7 +26,7 @@ RUN5 = VALIDATION / "h200-2026-12-01-vllm0_33_0-run5"
 
 
 def _docs() -> list[dict]:
-    return [bench.load_results(path) for path in RESULTS]
+    return [report.load_results(path) for path in RESULTS]
 
 
 def _workloads() -> list[dict]:
@@ -42,8 +42,8 @@ def _lines(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("path", ALL_RESULTS, ids=lambda p: p.parent.name)
 def test_each_recorded_run_follows_the_schema_and_ran_every_planned_round(path):
-    doc = bench.load_results(path)
-    assert bench.schema_problems(doc) == [] and "error" not in doc and not doc.get("group_errors")
+    doc = report.load_results(path)
+    assert report.schema_problems(doc) == [] and "error" not in doc and not doc.get("group_errors")
     for w in doc["workloads"]:
         assert w["rounds_done"] == w["rounds_planned"] and not w["truncated"] and not w["failed"]
         assert w["warmup_errors"] == {"A": 0, "B": 0}
@@ -51,17 +51,17 @@ def test_each_recorded_run_follows_the_schema_and_ran_every_planned_round(path):
 
 
 @pytest.mark.parametrize("path, name", [pytest.param(path, w["name"], id=f"{path.parent.name}/{w['name']}")
-                                        for path in ALL_RESULTS for w in bench.load_results(path)["workloads"]])
+                                        for path in ALL_RESULTS for w in report.load_results(path)["workloads"]])
 def test_each_ratio_interval_and_verdict_follows_from_the_rounds(path, name):
-    doc = bench.load_results(path)
+    doc = report.load_results(path)
     (w,) = [w for w in doc["workloads"] if w["name"] == name]
     settings = doc["settings"]
     for r in w["rounds"]:
-        assert r["ratios"] == pytest.approx(bench.round_ratios(r["sides"]["A"]["stats"], r["sides"]["B"]["stats"]))
-        for side in bench.SIDES:
+        assert r["ratios"] == pytest.approx(stats.round_ratios(r["sides"]["A"]["stats"], r["sides"]["B"]["stats"]))
+        for side in schedule.SIDES:
             samples = r["sides"][side]["samples"]
             assert len(samples) == w["requests"] and all(s["tokens"] == w["output_len"] for s in samples)
-    again = bench.summarize(w["rounds"], settings["resamples"], settings["confidence"], settings["seed"])
+    again = stats.summarize(w["rounds"], settings["resamples"], settings["confidence"], settings["seed"])
     for metric, summary in w["summary"].items():
         assert again[metric]["verdict"] == summary["verdict"]
         for key in ("median_ratio", "ci_low", "ci_high"):
@@ -74,7 +74,7 @@ def test_every_verdict_of_the_first_run_is_within_interval():
 
 def test_both_builds_are_the_default_base_and_only_b_carries_an_overlay():
     for doc in _docs():
-        a, b = (doc["environment"]["builds"][side] for side in bench.SIDES)
+        a, b = (doc["environment"]["builds"][side] for side in schedule.SIDES)
         assert (a["name"], b["name"]) == ("stock", "overlay")
         assert a["versions"]["vllm"] == b["versions"]["vllm"] == "0.33.0"
         assert "overlay_receipt_sha256" not in a["versions"] and b["versions"]["overlay_receipt_sha256"]
@@ -87,10 +87,10 @@ def test_both_builds_are_the_default_base_and_only_b_carries_an_overlay():
 @pytest.mark.parametrize("record, paths", [pytest.param(record, paths, id=record.name) for record, paths in (
     (BENCH_RUN, RESULTS), (BASES, [unpacked(BASES) / "results.json"]), (MTP2, [unpacked(MTP2) / "results.json"]))])
 def test_each_record_shows_the_tables_the_results_give(record, paths):
-    docs = [bench.load_results(path) for path in paths]
+    docs = [report.load_results(path) for path in paths]
     text = _lines(record / "README.md")
-    assert set(bench.table(docs).splitlines()) <= text
-    assert set(bench.levels_table(docs).splitlines()) <= text
+    assert set(report.table(docs).splitlines()) <= text
+    assert set(report.levels_table(docs).splitlines()) <= text
 
 
 def test_the_mtp_counters_in_the_record_are_the_results_and_equal_on_both_sides():
@@ -136,7 +136,7 @@ def test_no_compilation_fell_in_a_measured_round(path, log):
     # The first benchmark's JITs all came after request 92 (the first c=8 workload's warm-up round
     # is requests 85-100) or in the long group's first request; the bases' 0.24.0 server compiled
     # `_compute_slot_mapping_kernel` in its very first request.
-    doc = bench.load_results(path)
+    doc = report.load_results(path)
     group = log.stem.removeprefix("server-bench-").rsplit("-", 1)[0]
     counts = _started_before_each_jit(log)
     assert set(counts) <= _unrecorded_requests(doc, group), counts
@@ -179,15 +179,15 @@ def test_only_stock_compiled_the_prefill_chunk_kernel_and_only_in_the_warmup():
 
 
 def _verdicts(path: Path) -> dict[str, dict[str, str]]:
-    return {w["name"]: {m: s["verdict"] for m, s in w["summary"].items()} for w in bench.load_results(path)["workloads"]}
+    return {w["name"]: {m: s["verdict"] for m, s in w["summary"].items()} for w in report.load_results(path)["workloads"]}
 
 
 def test_the_bases_are_the_two_images_builds_each_with_its_overlay():
-    doc = bench.load_results(unpacked(BASES) / "results.json")
+    doc = report.load_results(unpacked(BASES) / "results.json")
     builds = doc["environment"]["builds"]
-    assert [(builds[s]["name"], builds[s]["versions"]["vllm"], builds[s]["versions"]["torch"]) for s in bench.SIDES] == [
+    assert [(builds[s]["name"], builds[s]["versions"]["vllm"], builds[s]["versions"]["torch"]) for s in schedule.SIDES] == [
         ("overlay-0.24.0", "0.24.0", "2.11.0"), ("overlay-0.33.0", "0.33.0", "2.14.0")]
-    assert all(builds[side]["versions"]["overlay_receipt_sha256"] for side in bench.SIDES)
+    assert all(builds[side]["versions"]["overlay_receipt_sha256"] for side in schedule.SIDES)
     assert doc["caches_warm_at_start"] is False
 
 
@@ -199,7 +199,7 @@ def test_vllm_0_33_is_behind_0_24_in_either_order():
     assert [name for name, v in verdicts.items() if v["ttft_p50_s"] == "B behind"] == ["512x128-c32", "6000x128-c8"]
     assert [name for name, v in verdicts.items() if v["ttft_p99_s"] == "B behind"] == ["6000x128-c8"]
     assert not any("B ahead" in v.values() for v in verdicts.values())
-    doc = bench.load_results(unpacked(BASES) / "results.json")
+    doc = report.load_results(unpacked(BASES) / "results.json")
     medians = [w["summary"]["output_tok_s"]["median_ratio"] for w in doc["workloads"]]
     assert (round(100 * (1 - max(medians))), round(100 * (1 - min(medians)))) == (10, 16)
     texts = [w["texts"] for w in doc["workloads"]]
@@ -226,10 +226,10 @@ def test_what_the_bases_record_says_differs_at_start_is_in_their_logs():
 
 
 def test_mtp2_is_the_flattened_path_the_same_texts_and_drafts_on_both_sides():
-    doc = bench.load_results(unpacked(MTP2) / "results.json")
+    doc = report.load_results(unpacked(MTP2) / "results.json")
     builds = doc["environment"]["builds"]
     assert builds["A"]["versions"]["vllm"] == builds["B"]["versions"]["vllm"] == "0.33.0"
-    for side in bench.SIDES:
+    for side in schedule.SIDES:
         assert "use_flattening=True supports_varlen=False (next_n=3" in (unpacked(MTP2) / f"server-bench-mtp2-{side}.log").read_text()
     for w in doc["workloads"]:
         assert w["texts"]["equal"] == w["texts"]["compared"] == w["requests"] * w["rounds_done"]
@@ -242,7 +242,7 @@ def test_mtp2_is_the_flattened_path_the_same_texts_and_drafts_on_both_sides():
 
 
 def test_the_lean_at_concurrency_8_is_the_rounds():
-    (c8,) = [w for w in bench.load_results(unpacked(MTP2) / "results.json")["workloads"] if w["name"] == "mtp2-512x128-c8"]
+    (c8,) = [w for w in report.load_results(unpacked(MTP2) / "results.json")["workloads"] if w["name"] == "mtp2-512x128-c8"]
     low = [r for r in c8["rounds"] if r["ratios"]["output_tok_s"] < 0.9]
     high = [r for r in c8["rounds"] if r["ratios"]["output_tok_s"] >= 0.9]
     assert (len(low), len(high)) == (6, 4)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.build import lock
-from dsa_image.build.lock import Pin
+from dsa_image.build import lock, lock_parse
+from dsa_image.build.lock_parse import Pin
 from dsa_image.core.recipe import load_recipe
 from dsa_image.validation import stage, torch_libs
 
@@ -53,16 +53,16 @@ numpy==2.0.0 \\
 
 
 def test_parse_via_reads_both_forms_and_leaves_out_requirement_files():
-    via = lock.parse_via(VIA)
+    via = lock_parse.parse_via(VIA)
     assert via["torch"] == {"vllm"}
     assert via["cuda-toolkit"] == {"torch"}
     assert via["nvidia-cublas"] == {"cuda-toolkit", "nvidia-cudnn-cu13"}
-    assert set(via) == set(lock.parse_lock(VIA))
+    assert set(via) == set(lock_parse.parse_lock(VIA))
 
 
 def test_requirements_of_follows_the_chain_and_stops_at_other_roots():
-    via = lock.parse_via(VIA)
-    assert lock.requirements_of(via, "torch") == {"cuda-toolkit", "nvidia-cublas", "nvidia-cudnn-cu13"}
+    via = lock_parse.parse_via(VIA)
+    assert lock_parse.requirements_of(via, "torch") == {"cuda-toolkit", "nvidia-cublas", "nvidia-cudnn-cu13"}
     assert stage.torch_stack(via) == {"nvidia-cublas", "nvidia-cudnn-cu13"}
 
 
@@ -83,7 +83,7 @@ def test_selection_stages_what_the_h200_lacks_and_torch_with_its_whole_cuda_set(
 def test_the_toolkits_wheels_travel_even_where_the_h200_has_them():
     pins = {"nvidia-cuda-nvcc": pin("13.0.88"), "cuda-python": pin("13.4.4")}
     present = {"nvidia-cuda-nvcc": "13.0.88", "cuda-python": "13.4.4"}
-    assert stage.toolkit_wheels(NEW) == {lock.normalize(p.split("==")[0]) for p in NEW.cuda_toolkit} - {"cuda-python"}
+    assert stage.toolkit_wheels(NEW) == {lock_parse.normalize(p.split("==")[0]) for p in NEW.cuda_toolkit} - {"cuda-python"}
     chosen = stage.selection(pins, present, set(), always=stage.toolkit_wheels(NEW))
     assert [(s.name, s.why) for s in chosen] == [("nvidia-cuda-nvcc", "on the H200, staged for the toolchain's CUDA home")]
 
@@ -117,10 +117,10 @@ def test_the_0_33_selection_brings_torch_its_cuda_set_vllm_b12x_the_toolkit_and_
     staged = {s.name: s for s in stage.plan(NEW, RECORD)}
     assert {"torch", "triton", "vllm", "b12x", "ray"} <= set(staged)
     assert staged["torch"].version == "2.14.0" and staged["b12x"].version == NEW.get("b12x.version")
-    via = lock.parse_via((REPO / lock.common_lock(NEW, "amd64")).read_text())
+    via = lock_parse.parse_via((REPO / lock.common_lock(NEW, "amd64")).read_text())
     assert stage.torch_stack(via) <= set(staged)
     assert {"nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cufft"} <= set(staged)
-    assert {lock.normalize(p.split("==")[0]) for p in NEW.cuda_toolkit if p.startswith("nvidia-")} <= set(staged)
+    assert {lock_parse.normalize(p.split("==")[0]) for p in NEW.cuda_toolkit if p.startswith("nvidia-")} <= set(staged)
     same = [n for n, p in pins.items() if stage.has(RECORD, n, p.version) and n not in stage.torch_stack(via)
             and n not in stage.toolkit_wheels(NEW)]
     assert same and not set(same) & set(staged)  # what the H200 has at the lock's version stays its own

@@ -1,11 +1,11 @@
 """Every hash in a lock traces back to an artefact: the vLLM wheel `lock` downloaded (the
 recipe's sha256) or a file the index lists for that name==version.
 
-Offline (`scripts/recipe.py check`, `lock.lock_problems`): the vllm pin carries exactly the
+Offline (`scripts/recipe.py check`, `lock_check.lock_problems`): the vllm pin carries exactly the
 recipe's wheel sha256 for the lock's arch; a release carries the same hashes in every lock; each
 lock has the sha256 `lock` recorded in its directory's SHA256SUMS; a lock has only lines uv writes.
 The locks checked are the default base's (and the dev lock every base shares).
-Online (`check --online`, `lock.online_problems`): every hash is a file of that release on the
+Online (`check --online`, `lock_check.online_problems`): every hash is a file of that release on the
 index. The edits below are made to copies of the real locks, with hashes derived from real ones.
 The tests that reach the index (and uv's) are marked `wheel`, like the repository's other
 tests that need PyPI.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.build import lock
+from dsa_image.build import lock, lock_check, lock_parse
 from dsa_image.core import wheels
-from dsa_image.build.lock import parse_lock
+from dsa_image.build.lock_parse import parse_lock
 from dsa_image.core.recipe import load_recipe, set_sdist_sha256, set_wheel_sha256
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,7 +49,7 @@ def derived(digest: str) -> str:
     return hashlib.sha256(bytes.fromhex(digest)).hexdigest()
 
 
-def pin_of(path: Path, name: str, root: Path = REPO) -> lock.Pin:
+def pin_of(path: Path, name: str, root: Path = REPO) -> lock_parse.Pin:
     return parse_lock((root / path).read_text())[name]
 
 
@@ -102,7 +102,7 @@ def test_sha256sums_records_every_lock():
 def test_every_release_has_the_same_hashes_in_every_lock():
     seen: dict[tuple[str, str], frozenset[str]] = {}
     for path in lock.expected_locks(RECIPE):
-        for pin in lock.scan_lock((REPO / path).read_text(), path)[0]:
+        for pin in lock_check.scan_lock((REPO / path).read_text(), path)[0]:
             if pin.name != "vllm":
                 assert seen.setdefault((pin.name, pin.version), pin.pin.hashes) == pin.pin.hashes, (path, pin.name)
     assert len(seen) > 200
@@ -118,7 +118,7 @@ def test_same_hash_edited_in_both_amd64_locks(tmp_path):
     new = derived(old)
     for path in AMD64_LOCKS:
         replace(root, path, f"--hash=sha256:{old}", f"--hash=sha256:{new}")
-    problems = lock.lock_problems(RECIPE, root=root)
+    problems = lock_check.lock_problems(RECIPE, root=root)
     assert any(new in problem for problem in problems), f"check did not notice --hash=sha256:{new}: {problems}"
     places = {path: f"{path}:{line_of(root, path, f'torch=={torch.version} ')}" for path in AMD64_LOCKS + ARM64_LOCKS}
     inconsistent = (
@@ -130,7 +130,7 @@ def test_same_hash_edited_in_both_amd64_locks(tmp_path):
     assert problems == [sums_problem(root, AMD64_LOCKS[0]), sums_problem(root, AMD64_LOCKS[1]), inconsistent]
     # SHA256SUMS rewritten to match the edit: the arm64 locks still disagree.
     lock.write_lock_sums(RECIPE, root)
-    assert lock.lock_problems(RECIPE, root=root) == [inconsistent]
+    assert lock_check.lock_problems(RECIPE, root=root) == [inconsistent]
 
 
 @pytest.mark.parametrize("extra", ["other arch's wheel", "no file"])
@@ -148,10 +148,10 @@ def test_extra_hash_on_the_vllm_pin(tmp_path, extra):
             f"{path}:{line}: vllm=={RECIPE.vllm_version} carries --hash=sha256:{other}, expected only "
             f"--hash=sha256:{own} (the recipe's {RECIPE.wheel(arch).filename}, hashed from the file `lock` "
             f"downloaded): any other hash widens what `pip install --require-hashes` accepts; {REGENERATE}")
-    problems = lock.lock_problems(RECIPE, root=root)
+    problems = lock_check.lock_problems(RECIPE, root=root)
     assert all(problem in problems for problem in expected), problems
     lock.write_lock_sums(RECIPE, root)
-    assert lock.lock_problems(RECIPE, root=root) == expected
+    assert lock_check.lock_problems(RECIPE, root=root) == expected
 
 
 def test_changed_hash_in_dev_lock(tmp_path):
@@ -159,7 +159,7 @@ def test_changed_hash_in_dev_lock(tmp_path):
     pytest_pin = pin_of(lock.DEV_LOCK, "pytest")
     old = min(pytest_pin.hashes)
     replace(root, lock.DEV_LOCK, old, derived(old))  # a pin only dev.txt has: SHA256SUMS notices
-    problems = lock.lock_problems(RECIPE, root=root)
+    problems = lock_check.lock_problems(RECIPE, root=root)
     assert problems, "check did not notice the edited dev.txt"
     assert problems == [sums_problem(root, lock.DEV_LOCK)]
 
@@ -170,9 +170,9 @@ def test_changed_hash_of_a_shared_release_in_dev_lock(tmp_path):
     assert pin_of(lock.common_lock(RECIPE, "amd64"), "packaging") == packaging
     old = min(packaging.hashes)
     replace(root, lock.DEV_LOCK, old, derived(old))
-    assert lock.lock_problems(RECIPE, root=root), "check did not notice the edited dev.txt"
+    assert lock_check.lock_problems(RECIPE, root=root), "check did not notice the edited dev.txt"
     lock.write_lock_sums(RECIPE, root)  # as if SHA256SUMS had been edited too
-    problems = lock.lock_problems(RECIPE, root=root)
+    problems = lock_check.lock_problems(RECIPE, root=root)
     assert len(problems) == 1
     assert problems[0].startswith(
         f"packaging=={packaging.version} has different hashes in different locks, where `lock` writes the same "
@@ -213,12 +213,12 @@ def test_lines_uv_does_not_write_are_refused(tmp_path, edit, line_text, message)
     root = copy_locks(tmp_path)
     digest = min(pin_of(lock.DEV_LOCK, "pytest").hashes)
     (root / lock.DEV_LOCK).write_text(edit((root / lock.DEV_LOCK).read_text(), digest))
-    assert lock.lock_problems(RECIPE, root=root), "check did not notice the edited dev.txt"
+    assert lock_check.lock_problems(RECIPE, root=root), "check did not notice the edited dev.txt"
     lock.write_lock_sums(RECIPE, root)
     lines = (root / lock.DEV_LOCK).read_text().splitlines()
     number = len(lines) - 1 if line_text is None else next(
         n for n, line in enumerate(lines, 1) if line.startswith(line_text) and (line_text != "pytest==" or "--hash" in line))
-    problems = lock.lock_problems(RECIPE, root=root)
+    problems = lock_check.lock_problems(RECIPE, root=root)
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"{lock.DEV_LOCK}:{number}: ") and message in problems[0], problems[0]
     assert problems[0].endswith(REGENERATE)
@@ -226,7 +226,7 @@ def test_lines_uv_does_not_write_are_refused(tmp_path, edit, line_text, message)
 
 def test_scan_lock_reads_what_uv_writes():
     text = (REPO / lock.DEV_LOCK).read_text()
-    pins, problems = lock.scan_lock(text, lock.DEV_LOCK)
+    pins, problems = lock_check.scan_lock(text, lock.DEV_LOCK)
     assert problems == []
     assert {p.name: p.pin for p in pins if not p.marker or p.name != "numpy"} == {
         n: p for n, p in parse_lock(text).items() if n != "numpy"}
@@ -241,9 +241,9 @@ def test_resolver_seed_keeps_versions_not_hashes():
     text = (REPO / lock.DEV_LOCK).read_text()
     seed = lock.resolver_seed(text)
     assert "--hash" not in seed and "\\" not in seed
-    pins, _ = lock.scan_lock(text, lock.DEV_LOCK)
+    pins, _ = lock_check.scan_lock(text, lock.DEV_LOCK)
     expected = [f"{p.name}=={p.version}" + (f" ; {p.marker}" if p.marker else "") for p in pins]
-    assert [lock.normalize(line.split("==")[0]) + "==" + line.split("==", 1)[1] for line in seed.splitlines()] == expected
+    assert [lock_parse.normalize(line.split("==")[0]) + "==" + line.split("==", 1)[1] for line in seed.splitlines()] == expected
 
 
 @pytest.mark.parametrize("path, arch", ARCH_LOCKS)
@@ -314,8 +314,8 @@ def test_online_names_a_hash_the_index_does_not_list(tmp_path):
     old = min(pin.hashes)
     replace(root, lock.DEV_LOCK, old, derived(old))
     lock.write_lock_sums(RECIPE, root)
-    assert lock.lock_problems(RECIPE, root=root) == []
-    problems = lock.online_problems(RECIPE, root=root, paths=[lock.DEV_LOCK])
+    assert lock_check.lock_problems(RECIPE, root=root) == []
+    problems = lock_check.online_problems(RECIPE, root=root, paths=[lock.DEV_LOCK])
     line = line_of(root, lock.DEV_LOCK, f"    --hash=sha256:{derived(old)}")
     assert len(problems) == 1
     assert problems[0].startswith(
@@ -335,7 +335,7 @@ def test_online_flags_a_file_of_another_release(tmp_path):
     kept = min(pin.hashes)
     replace(root, lock.DEV_LOCK, f"    --hash=sha256:{kept} \\\n",
             f"    --hash=sha256:{kept} \\\n    --hash=sha256:{other.sha256} \\\n")
-    problems = lock.online_problems(RECIPE, root=root, paths=[lock.DEV_LOCK])
+    problems = lock_check.online_problems(RECIPE, root=root, paths=[lock.DEV_LOCK])
     assert len(problems) == 1
     assert (f"carries --hash=sha256:{other.sha256}, which is not a file of pytest=={pin.version}: "
             f"it is {other.filename}, a file of another release.") in problems[0]
@@ -349,7 +349,7 @@ def test_online_checks_the_recipe_wheels_against_the_index(tmp_path):
     swapped = RECIPE.wheel("arm64").sha256
     (recipes / RECIPE.path.name).write_text(set_wheel_sha256(RECIPE.path.read_text(), RECIPE.vllm_version, "linux/amd64", swapped))
     edited = load_recipe(RECIPE.id, recipes)
-    assert lock.online_problems(edited, paths=[]) == [
+    assert lock_check.online_problems(edited, paths=[]) == [
         f"{edited.path}: vllm.\"{RECIPE.vllm_version}\".wheels.\"linux/amd64\".sha256 is {swapped}, expected {RECIPE.wheel('amd64').sha256}, "
         f"the sha256 https://pypi.org/simple/vllm/ lists for {RECIPE.wheel('amd64').filename}; {REGENERATE}"]
 
@@ -362,14 +362,14 @@ def test_online_checks_the_recipe_sdist_against_the_index(tmp_path):
     swapped = RECIPE.wheel("amd64").sha256
     (recipes / RECIPE.path.name).write_text(set_sdist_sha256(RECIPE.path.read_text(), RECIPE.vllm_version, swapped))
     edited = load_recipe(RECIPE.id, recipes)
-    assert lock.online_problems(edited, paths=[]) == [
+    assert lock_check.online_problems(edited, paths=[]) == [
         f"{edited.path}: vllm.\"{RECIPE.vllm_version}\".sdist.sha256 is {swapped}, expected {RECIPE.sdist.sha256}, "
         f"the sha256 https://pypi.org/simple/vllm/ lists for {RECIPE.sdist.filename}; {REGENERATE}"]
 
 
 def test_online_check_needs_the_index():
     with pytest.raises(wheels.WheelError, match="cannot read the package index http://127.0.0.1:9/simple/"):
-        lock.online_problems(RECIPE, paths=[lock.DEV_LOCK], index_url="http://127.0.0.1:9/simple")
+        lock_check.online_problems(RECIPE, paths=[lock.DEV_LOCK], index_url="http://127.0.0.1:9/simple")
 
 
 def test_distribution_version():

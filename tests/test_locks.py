@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.build import bake, lock
-from dsa_image.build.lock import Pin, parse_lock
+from dsa_image.build import bake, lock, lock_check
+from dsa_image.build.lock_parse import Pin, parse_lock
 from dsa_image.core.recipe import ARCH_OF_PLATFORM, load_every_base, load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def read_lock(path: Path) -> dict[str, Pin]:
 
 @pytest.mark.parametrize("version", BASES)
 def test_locks_agree_with_the_recipe(version):
-    assert lock.lock_problems(BASES[version]) == []
+    assert lock_check.lock_problems(BASES[version]) == []
 
 
 @pytest.mark.parametrize("version, arch", [(v, ARCH_OF_PLATFORM[p]) for v, r in BASES.items() for p in r.platforms])
@@ -122,15 +122,15 @@ def test_lock_problems_catch_a_moved_pin(tmp_path):
     extras, common = lock.target_lock(recipe, recipe.target("sm120"), "amd64"), lock.common_lock(recipe, "amd64")
     victim = tmp_path / extras
     victim.write_text(victim.read_text().replace("\ntorch==2.11.0 ", "\ntorch==2.12.0 "))
-    problems = lock.lock_problems(recipe, root=tmp_path)
+    problems = lock_check.lock_problems(recipe, root=tmp_path)
     assert problems[1:] == [f"{extras}: torch differs from {common} (the extras lock must only add packages)"]
     assert problems[0].startswith(f"{extras}: its sha256 is ")  # SHA256SUMS
     (tmp_path / lock.common_lock(recipe, "arm64")).unlink()
     assert (f"{lock.common_lock(recipe, 'arm64')}: missing; run `python3 scripts/recipe.py lock --vllm 0.24.0`"
-            in lock.lock_problems(recipe, root=tmp_path))
+            in lock_check.lock_problems(recipe, root=tmp_path))
     (tmp_path / lock.LOCKS_DIR / "vllm-0.20.0").mkdir()
     assert ("recipes/locks/vllm-0.20.0: a directory of a vLLM release the recipe does not pin; delete it"
-            in lock.lock_problems(recipe, root=tmp_path))
+            in lock_check.lock_problems(recipe, root=tmp_path))
 
 
 def test_parse_lock():

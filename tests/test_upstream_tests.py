@@ -1,4 +1,4 @@
-"""dsa_image.upstream.gate: vLLM's own tests as the overlay's gate.
+"""dsa_image.upstream (its face: gate): vLLM's own tests as the overlay's gate.
 
 Selection on a synthetic tests tree with the imports that are easy to miss; the sdist read as
 bytes, never extracted; the bundle refusing any change; the comparison's rule; and the runner
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.build import lock
+from dsa_image.build import lock, lock_parse
 from dsa_image.upstream import gate as ut
 from dsa_image.core import wheels
 from dsa_image.overlay.manifest import load_manifest
@@ -229,14 +229,14 @@ def test_a_bundle_is_written_whole_or_not_at_all(tmp_path):
 def test_the_bundles_packages_are_the_recipes_with_the_locks_hashes():
     base = load_every_base()[0]
     requirements = ut.lib_requirements(base, REPO_ROOT / lock.UPSTREAM_TESTS_LOCK)
-    pins = lock.parse_lock((REPO_ROOT / lock.UPSTREAM_TESTS_LOCK).read_text())
+    pins = lock_parse.parse_lock((REPO_ROOT / lock.UPSTREAM_TESTS_LOCK).read_text())
     lines = requirements.splitlines()
     assert [line.split("==")[0] for line in lines] == list(base.upstream_test_packages)
     for line in lines:
         name, rest = line.split("==", 1)
         version, *hashes = rest.split()
-        assert pins[lock.normalize(name)].version == version
-        assert {h.removeprefix("--hash=sha256:") for h in hashes} == pins[lock.normalize(name)].hashes
+        assert pins[lock_parse.normalize(name)].version == version
+        assert {h.removeprefix("--hash=sha256:") for h in hashes} == pins[lock_parse.normalize(name)].hashes
 
 
 # --- the comparison's rule --------------------------------------------------------------------------

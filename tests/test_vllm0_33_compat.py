@@ -340,16 +340,16 @@ def test_every_recipe_flag_and_value_is_one_vllm_serve_of_that_release_takes(ver
 def test_the_flags_the_bench_passes_and_the_warmup_reads_are_that_releases(version):
     """The bench starts each server with serving.start_server's flags and its group's; the
     warm-up finds the server from --host, --port, --uds, --ssl-certfile, --api-key and --config."""
-    from dsa_image.bench import paired as bench
+    from dsa_image.bench import paired as bench, schedule
 
     options = serve_options(version)
     args = bench.parse_args(["run", "--a-site", "a", "--b-site", "b", "--model", "m", "--out", "o"])
-    passed = {a for group in bench.GROUPS.values() for a in bench._server_args(args, group) if a.startswith("--")}
+    passed = {a for group in schedule.GROUPS.values() for a in bench._server_args(args, group) if a.startswith("--")}
     passed |= {"--port", "--served-model-name", "--load-format", "--seed", "--max-model-len"}  # start_server
     read = {"--host", "--port", "--uds", "--ssl-certfile", "--api-key", "--config"}  # serve_command.endpoint_of
     assert not (passed | read) - options
     spec_fields = set(re.findall(r"^    (\w+): ", source(version, "vllm/config/speculative.py"), re.M))
-    for group in bench.GROUPS.values():
-        if bench.speculative(group.server_args):
+    for group in schedule.GROUPS.values():
+        if schedule.speculative(group.server_args):
             config = json.loads(group.server_args[group.server_args.index("--speculative-config") + 1])
             assert set(config) <= spec_fields and config["method"] == "mtp"

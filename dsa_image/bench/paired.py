@@ -22,24 +22,24 @@ may compute differently).
 
 `run` needs only the standard library (it starts vLLM with another Python's site-packages);
 `plot` needs matplotlib.
+
+This module starts the servers, runs the rounds and is the command line. The rest of the
+benchmark, in dsa_image.bench: `schedule` (the workloads, the alternating order, the plan and
+its time estimate), `client` (one streamed request, one round), `stats` (the ratios B/A and
+their bootstrap intervals), `report` (the results file and its tables), `plots` (the PNGs).
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime as dt
 import hashlib
-import http.client
 import json
-import math
 import os
 import platform
-import random
 import re
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +47,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dsa_image.bench.client import run_round, sample_record, side_stats
+from dsa_image.bench.plots import plot
+from dsa_image.bench.report import SCHEMA, levels_table, load_results, table
+from dsa_image.bench.schedule import GROUPS, SIDES, WORKLOADS, Group, Plan, Workload, describe, estimate, round_order, round_prompts, speculative
+from dsa_image.bench.stats import round_ratios, summarize, texts_compared
 from dsa_image.build import model_info_cache
 from dsa_image.core.site_path import pythonpath
 from dsa_image.runtime.spec_decode_metrics import (
@@ -57,296 +62,11 @@ from dsa_image.runtime.spec_decode_metrics import (
     settled_spec_counters,
 )
 from dsa_image.harness import server as serving
-from dsa_image.harness.prompts import long_context_model, model_prompt_ids, prompt_token_ids
+from dsa_image.harness.prompts import long_context_model, prompt_token_ids
 from dsa_image.harness.server import wait_each_healthy
 
-SCHEMA = "dsa-image-bench/1"
-SIDES = ("A", "B")
-
-# name -> (label, +1 when higher is better / -1 when lower is better)
-METRICS = {
-    "output_tok_s": ("output tokens/s", +1),
-    "ttft_p50_s": ("TTFT p50", -1),
-    "ttft_p99_s": ("TTFT p99", -1),
-    "tpot_s": ("TPOT (median)", -1),
-}
-
-
-@dataclass(frozen=True)
-class Group:
-    """One server configuration: a pair of servers (A and B) is started per group."""
-
-    name: str
-    model: str  # which model directory: "base", "long" or "mtp"
-    max_model_len: int
-    server_args: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    group: str
-    input_len: int
-    output_len: int
-    concurrency: int
-    requests: int  # per round and per side
-    rounds: int
-
-
-def _mtp(tokens: int) -> tuple[str, ...]:
-    return ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": tokens}))
-
-
-def speculative(server_args: list[str] | tuple[str, ...]) -> bool:
-    """Whether servers started with these arguments decode speculatively (MTP)."""
-    return any(a == "--speculative-config" or a.startswith("--speculative-config=") for a in server_args)
-
-
-GROUPS = {
-    "base": Group("base", "base", 8192),
-    "long": Group("long", "long", 65536),
-    "mtp1": Group("mtp1", "mtp", 8192, _mtp(1)),
-    # MTP 2 is next_n=3, flattened on sm_90 by both bases; MTP 3 (next_n=4) is flattened by
-    # 0.24.0 only: 0.33.0 decodes it natively.
-    "mtp2": Group("mtp2", "mtp", 8192, _mtp(2)),
-    "mtp3": Group("mtp3", "mtp", 8192, _mtp(3)),
-}
-
-# Rounds: at least 20 at concurrency 1 and 10 at 32 (the issue's minimums); c=8 takes 10.
-# Requests per round: two waves at c >= 8, so a round has a ramp-down as real load does.
-WORKLOADS = (
-    Workload("512x128-c1", "base", 512, 128, 1, 4, 20),
-    Workload("512x128-c8", "base", 512, 128, 8, 16, 10),
-    Workload("512x128-c32", "base", 512, 128, 32, 64, 10),
-    Workload("6000x128-c8", "base", 6000, 128, 8, 16, 10),
-    Workload("32000x128-c1", "long", 32000, 128, 1, 2, 20),
-    Workload("mtp1-512x128-c1", "mtp1", 512, 128, 1, 4, 20),
-    Workload("mtp1-512x128-c8", "mtp1", 512, 128, 8, 16, 10),
-    Workload("mtp2-512x128-c1", "mtp2", 512, 128, 1, 4, 20),
-    Workload("mtp2-512x128-c8", "mtp2", 512, 128, 8, 16, 10),
-    Workload("mtp3-512x128-c1", "mtp3", 512, 128, 1, 4, 20),
-    Workload("mtp3-512x128-c8", "mtp3", 512, 128, 8, 16, 10),
-)
-
-# The time model behind `plan`. Start-up times were measured on the H200 (two servers side by
-# side, default flags, vLLM 0.24.0); the per-token costs are assumptions until a run prints its
-# measured warm-up rounds, which replace them in the projection it prints. vLLM 0.33.0 with empty
-# caches: three servers of the tiny GLM-5 side by side were healthy after 270-281 s, ~100 s of it
-# FlashInfer's sampler JIT (docs/validation/h200-2026-11-30-vllm0_33_0-run2, section 3); a server
-# with MTP took longer still (it reached that JIT only ~180 s after its start: that run's
-# recipe-glm-5-fp8-8xb200.log), so an MTP group's cold start may need more than 280 s.
-STARTUP_S = {"empty caches": 280.0, "warm caches": 66.0}
 # With --deadline-s: what stopping the servers and writing the results may take after it.
 STOP_MARGIN_S = 60.0
-PREFILL_S_PER_TOKEN = 2.5e-5
-DECODE_STEP_S = 5e-3
-
-
-# -- statistics ---------------------------------------------------------------------------------
-
-
-def quantile(sorted_values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), on sorted values."""
-    if not sorted_values:
-        raise ValueError("quantile of no values")
-    position = q * (len(sorted_values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
-
-
-def bootstrap_median_ci(values: list[float], resamples: int = 10_000, confidence: float = 0.95,
-                        seed: int = 0) -> tuple[float, float, float]:
-    """(median, low, high): the percentile bootstrap interval of the median, seeded."""
-    if not values:
-        raise ValueError("no values to bootstrap")
-    rng = random.Random(seed)
-    n = len(values)
-    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
-    tail = (1.0 - confidence) / 2.0
-    return statistics.median(values), quantile(medians, tail), quantile(medians, 1.0 - tail)
-
-
-def verdict(low: float, high: float, direction: int) -> str:
-    """Where B stands against A, given the interval of B/A."""
-    if low <= 1.0 <= high:
-        return "within interval"
-    b_higher = low > 1.0
-    return "B ahead" if b_higher == (direction > 0) else "B behind"
-
-
-def summarize(rounds: list[dict], resamples: int, confidence: float, seed: int) -> dict:
-    """Per metric: the median of the per-round ratios B/A with its bootstrap interval."""
-    valid = [r for r in rounds if r.get("ratios")]
-    summary = {}
-    for metric, (label, direction) in METRICS.items():
-        ratios = [r["ratios"][metric] for r in valid if r["ratios"].get(metric) is not None]
-        if not ratios:
-            summary[metric] = {"label": label, "n": 0}
-            continue
-        median, low, high = bootstrap_median_ci(ratios, resamples, confidence, seed)
-        summary[metric] = {"label": label, "n": len(ratios), "median_ratio": median,
-                           "ci_low": low, "ci_high": high, "confidence": confidence,
-                           "direction": "higher is better" if direction > 0 else "lower is better",
-                           "verdict": verdict(low, high, direction)}
-    return summary
-
-
-# -- the schedule and the prompts ---------------------------------------------------------------
-
-
-def round_order(index: int) -> tuple[str, str]:
-    """A first on even rounds, B first on odd ones: each pair of rounds cancels a linear drift."""
-    return ("A", "B") if index % 2 == 0 else ("B", "A")
-
-
-def even_up(count: float) -> int:
-    """At least 2, and even, so each build goes first equally often."""
-    n = max(2, math.ceil(count))
-    return n + (n % 2)
-
-
-def round_prompts(workload: Workload, round_index: int, token_ids: list[int], seed: int) -> list[list[int]]:
-    """The round's prompts, the same for A and B: new in every round, so that no request of a
-    round finds its prompt in the prefix cache from an earlier round."""
-    return [model_prompt_ids(token_ids, workload.input_len, f"{seed}:{workload.name}:{round_index}:{i}")
-            for i in range(workload.requests)]
-
-
-# -- one request, one round ---------------------------------------------------------------------
-
-
-@dataclass
-class Sample:
-    """One streamed request, times in seconds from perf_counter."""
-
-    start: float
-    end: float
-    tokens: int = 0
-    first_token: float | None = None
-    last_token: float | None = None
-    error: str | None = None
-    text: str = ""
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        if self.tokens < 2 or self.first_token is None:
-            return None
-        return (self.last_token - self.first_token) / (self.tokens - 1)
-
-
-def _completion_body(model: str, prompt: list[int], max_tokens: int) -> bytes:
-    # Greedy and ignore_eos: every request produces exactly max_tokens on both builds.
-    # continuous_usage_stats counts the tokens of each chunk (MTP sends several at once)
-    # without return_token_ids, whose first chunk would echo a 32k-token prompt.
-    return json.dumps({
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }).encode()
-
-
-def _read_stream(response, sample: Sample) -> None:
-    for raw in response:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        now = time.perf_counter()
-        event = json.loads(data)
-        if "error" in event:
-            raise RuntimeError(f"error event: {event['error']}")
-        sample.text += "".join(c.get("text") or "" for c in event.get("choices") or [])
-        seen = _tokens_so_far(event, sample.tokens)
-        if seen > sample.tokens:
-            sample.first_token = sample.first_token or now
-            sample.last_token = now
-            sample.tokens = seen
-    raise RuntimeError("the stream ended without data: [DONE]")
-
-
-def _tokens_so_far(event: dict, before: int) -> int:
-    usage = event.get("usage") or {}
-    if "completion_tokens" in usage:
-        return int(usage["completion_tokens"])
-    # A server without continuous usage: the chunk's token ids where it has them, else one token
-    # per choice chunk. Not "a chunk that carries text": a token may detokenize to nothing (a
-    # lone byte of a byte-level tokenizer; see serving.answered) and still arrives as a chunk.
-    choices = event.get("choices") or []
-    return before + sum(len(c["token_ids"]) if c.get("token_ids") is not None else 1 for c in choices)
-
-
-def stream_completion(port: int, model: str, prompt: list[int], max_tokens: int,
-                      timeout: float = 600.0, host: str = "127.0.0.1") -> Sample:
-    """POST a streaming completion; time the first and last token. Never raises: a failed
-    request is a Sample with an error (a round with errors is left out of the statistics)."""
-    connection = http.client.HTTPConnection(host, port, timeout=timeout)
-    sample = Sample(start=time.perf_counter(), end=0.0)
-    try:
-        connection.request("POST", "/v1/completions", _completion_body(model, prompt, max_tokens),
-                           {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-        _read_stream(response, sample)
-        if sample.tokens != max_tokens:
-            raise RuntimeError(f"{sample.tokens} tokens, expected {max_tokens}")
-    except (OSError, ValueError, RuntimeError, http.client.HTTPException) as exc:
-        sample.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        sample.end = time.perf_counter()
-        connection.close()
-    return sample
-
-
-def run_round(port: int, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-              timeout: float = 600.0) -> list[Sample]:
-    """Closed loop: `concurrency` clients, each taking the next prompt when its request ends."""
-    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda p: stream_completion(port, model, p, max_tokens, timeout), prompts))
-
-
-def side_stats(samples: list[Sample]) -> dict:
-    ok = [s for s in samples if s.error is None]
-    stats = {"requests": len(samples), "errors": len(samples) - len(ok),
-             "output_tokens": sum(s.tokens for s in ok)}
-    if not ok:
-        return stats
-    wall = max(s.end for s in samples) - min(s.start for s in samples)
-    ttfts = sorted(s.ttft for s in ok if s.ttft is not None)
-    tpots = [s.tpot for s in ok if s.tpot is not None]
-    stats.update(wall_s=wall, output_tok_s=stats["output_tokens"] / wall if wall > 0 else None,
-                 ttft_p50_s=quantile(ttfts, 0.50) if ttfts else None,
-                 ttft_p99_s=quantile(ttfts, 0.99) if ttfts else None,
-                 tpot_s=statistics.median(tpots) if tpots else None)
-    return stats
-
-
-def sample_record(sample: Sample) -> dict:
-    return {"ttft_s": sample.ttft, "tpot_s": sample.tpot, "latency_s": sample.end - sample.start,
-            "tokens": sample.tokens, "error": sample.error,
-            "text_sha256": hashlib.sha256(sample.text.encode()).hexdigest()}
-
-
-def texts_compared(a: list[dict], b: list[dict]) -> dict:
-    """How many of a round's prompts got the same text from A and B. Greedy, the same prompts:
-    two builds that compute the same tokens answer alike, MTP drafts accepted or not."""
-    pairs = [(x["text_sha256"], y["text_sha256"]) for x, y in zip(a, b)
-             if not x["error"] and not y["error"] and "text_sha256" in x and "text_sha256" in y]
-    return {"compared": len(pairs), "equal": sum(x == y for x, y in pairs)}
-
-
-def round_ratios(a: dict, b: dict) -> dict | None:
-    """B/A per metric, or None when either side had an error (the round does not count)."""
-    if a.get("errors") or b.get("errors"):
-        return None
-    return {m: (b[m] / a[m] if a.get(m) and b.get(m) is not None else None) for m in METRICS}
 
 
 # -- speculative decoding: vLLM's counters, summed over a workload's rounds -----------------------
@@ -361,55 +81,6 @@ def sum_deltas(deltas: list[dict | None]) -> dict | None:
     total["accepted_per_position"] = [sum(d["accepted_per_position"][i] for d in present
                                           if i < len(d["accepted_per_position"])) for i in range(width)]
     return total
-
-
-# -- the plan -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Plan:
-    workloads: list[Workload]
-    groups: list[Group] = field(default_factory=list)
-
-    @classmethod
-    def select(cls, names: list[str] | None, rounds_scale: float = 1.0, requests_scale: float = 1.0) -> "Plan":
-        chosen = [w for w in WORKLOADS if not names or w.name in names or w.group in names]
-        unknown = set(names or ()) - {w.name for w in WORKLOADS} - set(GROUPS)
-        if unknown:
-            raise SystemExit(f"unknown workloads or groups: {', '.join(sorted(unknown))}; "
-                             f"known: {', '.join(w.name for w in WORKLOADS)}; groups: {', '.join(GROUPS)}")
-        scaled = [Workload(w.name, w.group, w.input_len, w.output_len, w.concurrency,
-                           max(w.concurrency, round(w.requests * requests_scale)),
-                           even_up(w.rounds * rounds_scale)) for w in chosen]
-        groups = [GROUPS[g] for g in dict.fromkeys(w.group for w in scaled)]
-        return cls(scaled, groups)
-
-
-def round_seconds(w: Workload) -> float:
-    """The assumed time of one side's round (see DECODE_STEP_S)."""
-    waves = math.ceil(w.requests / w.concurrency)
-    step = DECODE_STEP_S * (1 + w.concurrency / 64)
-    return w.requests * w.input_len * PREFILL_S_PER_TOKEN + waves * w.output_len * step
-
-
-def estimate(plan: Plan, warm_caches: bool) -> dict:
-    startup = STARTUP_S["warm caches" if warm_caches else "empty caches"]
-    # Each workload: one unrecorded warm-up round per side, then its rounds, both sides.
-    per_workload = {w.name: 2 * (w.rounds + 1) * round_seconds(w) for w in plan.workloads}
-    return {"startup_s": startup, "workloads_s": per_workload,
-            "total_s": startup + sum(per_workload.values())}
-
-
-def describe(plan: Plan, est: dict) -> str:
-    lines = [f"{'workload':<18} {'group':<5} {'in':>6} {'out':>4} {'c':>3} {'req/round':>9} {'rounds':>6} {'est s':>7}"]
-    for w in plan.workloads:
-        lines.append(f"{w.name:<18} {w.group:<5} {w.input_len:>6} {w.output_len:>4} {w.concurrency:>3} "
-                     f"{w.requests:>9} {w.rounds:>6} {est['workloads_s'][w.name]:>7.0f}")
-    lines.append(f"server start (all groups at once): {est['startup_s']:.0f} s; estimated total "
-                 f"{est['total_s']:.0f} s ({est['total_s'] / 60:.1f} min). Per-token costs are assumed "
-                 f"(prefill {PREFILL_S_PER_TOKEN:g} s/token, decode step {DECODE_STEP_S:g} s); the run "
-                 "prints a projection from its measured warm-up rounds.")
-    return "\n".join(lines)
 
 
 # -- the environment ----------------------------------------------------------------------------
@@ -672,202 +343,6 @@ def run_groups(args, plan: Plan, servers: list[dict], doc: dict, path: Path, dea
                                     or result.get("spec_decode_problem"))
             doc["workloads"].append(result)
             write_json(doc, path)  # a run cut short still leaves every finished workload
-
-
-# -- the results file ---------------------------------------------------------------------------
-
-_REQUIRED = {"schema": str, "created": str, "command": str, "environment": dict, "settings": dict,
-             "groups": dict, "workloads": list}
-_WORKLOAD_REQUIRED = {"name": str, "group": str, "input_len": int, "output_len": int, "concurrency": int,
-                      "requests": int, "rounds_planned": int, "rounds_done": int, "rounds": list, "summary": dict}
-
-
-def schema_problems(doc: dict) -> list[str]:
-    """How a results document breaks the schema `plot` and `table` rely on (empty: fine)."""
-    problems = [f"{k}: missing or not {t.__name__}" for k, t in _REQUIRED.items() if not isinstance(doc.get(k), t)]
-    if doc.get("schema") not in (None, SCHEMA) and isinstance(doc.get("schema"), str):
-        problems.append(f"schema: {doc['schema']!r}, expected {SCHEMA!r}")
-    for i, w in enumerate(doc.get("workloads") or []):
-        problems += [f"workloads[{i}].{k}: missing or not {t.__name__}"
-                     for k, t in _WORKLOAD_REQUIRED.items() if not isinstance(w.get(k), t)]
-        problems += _round_problems(i, w.get("rounds") or [])
-        if isinstance(w.get("rounds"), list) and w.get("rounds_done") != len(w["rounds"]):
-            problems.append(f"workloads[{i}]: rounds_done {w.get('rounds_done')} != {len(w['rounds'])} rounds")
-    return problems
-
-
-def _round_problems(i: int, rounds: list) -> list[str]:
-    problems = []
-    for j, r in enumerate(rounds):
-        where = f"workloads[{i}].rounds[{j}]"
-        if sorted(r.get("order") or []) != list(SIDES):
-            problems.append(f"{where}.order: {r.get('order')!r}")
-        if set(r.get("sides") or {}) != set(SIDES):
-            problems.append(f"{where}.sides: needs A and B")
-        if r.get("ratios") is not None and set(r["ratios"]) != set(METRICS):
-            problems.append(f"{where}.ratios: keys {sorted(r['ratios'])}")
-    return problems
-
-
-def load_results(path: str | Path) -> dict:
-    doc = json.loads(Path(path).read_text())
-    problems = schema_problems(doc)
-    if problems:
-        raise ValueError(f"{path}: not a benchmark results file: " + "; ".join(problems[:5]))
-    return doc
-
-
-# -- reporting ----------------------------------------------------------------------------------
-
-
-def _cell(summary: dict) -> str:
-    if not summary.get("n"):
-        return "n/a"
-    return f"{summary['median_ratio']:.3f} [{summary['ci_low']:.3f}, {summary['ci_high']:.3f}]"
-
-
-def table(docs: list[dict]) -> str:
-    """Markdown: one row per workload, each metric's median B/A and its interval."""
-    header = "| workload | rounds | " + " | ".join(f"{label} B/A [95% CI]" for label, _ in METRICS.values()) + " |"
-    lines = [header, "|" + "---|" * (2 + len(METRICS))]
-    for doc in docs:
-        for w in doc["workloads"]:
-            cells = " | ".join(_cell(w["summary"].get(m, {})) for m in METRICS)
-            lines.append(f"| {w['name']} | {w['rounds_done']} | {cells} |")
-    return "\n".join(lines)
-
-
-def _side_median(w: dict, side: str, metric: str) -> float | None:
-    values = [r["sides"][side]["stats"].get(metric) for r in w["rounds"] if r["ratios"]]
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _order_median(w: dict, first: str) -> float | None:
-    values = [r["ratios"]["output_tok_s"] for r in w["rounds"]
-              if r["ratios"] and r["order"][0] == first and r["ratios"].get("output_tok_s") is not None]
-    return statistics.median(values) if values else None
-
-
-def _fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value * scale:.{digits}f}"
-
-
-def levels_table(docs: list[dict]) -> str:
-    """Markdown: what each build measured (medians over the counted rounds), and the output
-    tokens/s ratio split by which build went first. The split shows the order effect that
-    alternating cancels: a ratio that moves with the order is the GPU, not the build."""
-    # Results from before the texts were compared have no "texts": no column then.
-    texts = any("texts" in w for doc in docs for w in doc["workloads"])
-    lines = ["| workload | output tokens/s A / B | TTFT p50 ms A / B | TPOT ms A / B "
-             "| tokens/s B/A, A first | tokens/s B/A, B first |" + (" texts equal |" if texts else ""),
-             "|" + "---|" * (6 + texts)]
-    for doc in docs:
-        for w in doc["workloads"]:
-            def pair(metric: str, scale: float, digits: int) -> str:
-                return " / ".join(_fmt(_side_median(w, side, metric), scale, digits) for side in SIDES)
-            row = (f"| {w['name']} | {pair('output_tok_s', 1, 0)} | {pair('ttft_p50_s', 1e3, 1)} "
-                   f"| {pair('tpot_s', 1e3, 2)} | {_fmt(_order_median(w, 'A'))} | {_fmt(_order_median(w, 'B'))} |")
-            if texts:
-                t = w.get("texts")
-                row += f" {t['equal']} of {t['compared']} |" if t else " n/a |"
-            lines.append(row)
-    return "\n".join(lines)
-
-
-def _title(doc: dict) -> str:
-    env = doc["environment"]
-    gpus = env.get("gpu", {}).get("gpus") or [{}]
-    builds = env.get("builds", {})
-    names = " vs ".join(f"{s}={builds.get(s, {}).get('name', s)}" for s in SIDES)
-    # Two bases name both vLLMs: the plot of a base-vs-base run must not read as one base.
-    versions = dict.fromkeys(builds.get(s, {}).get("versions", {}).get("vllm", "?") for s in SIDES)
-    return f"{gpus[0].get('name', 'GPU ?')}, vLLM {' vs '.join(versions)}, {names}, {doc['created'][:10]}"
-
-
-def plot(paths: list[str], out_dir: str | None = None) -> list[Path]:
-    """PNGs from results files (no GPU needed): the ratios with intervals, and per workload the
-    per-round ratios marked by which build went first."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    docs = [load_results(p) for p in paths]
-    target = Path(out_dir or Path(paths[0]).parent)
-    target.mkdir(parents=True, exist_ok=True)
-    written = [_plot_ratios(plt, docs, target / "ratios.png")]
-    for doc in docs:
-        written += [_plot_rounds(plt, doc, w, target / f"rounds-{w['name']}.png") for w in doc["workloads"]]
-    if any(w.get("spec_decode") for d in docs for w in d["workloads"]):
-        written.append(_plot_acceptance(plt, docs, target / "acceptance.png"))
-    return written
-
-
-def _plot_ratios(plt, docs: list[dict], path: Path) -> Path:
-    workloads = [w for d in docs for w in d["workloads"]]
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 1 + 0.5 * len(workloads)), sharey=True)
-    for ax, (metric, (label, direction)) in zip(axes, METRICS.items()):
-        for y, w in enumerate(workloads):
-            s = w["summary"].get(metric, {})
-            if not s.get("n"):
-                continue
-            color = {"B behind": "tab:red", "B ahead": "tab:green"}.get(s["verdict"], "tab:blue")
-            ax.errorbar(s["median_ratio"], y, xerr=[[s["median_ratio"] - s["ci_low"]], [s["ci_high"] - s["median_ratio"]]],
-                        fmt="o", color=color, capsize=3)
-        ax.axvline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set_title(f"{label} B/A\n({'higher' if direction > 0 else 'lower'} is better for B)", fontsize=9)
-        ax.set_yticks(range(len(workloads)), [w["name"] for w in workloads])
-    axes[0].invert_yaxis()
-    fig.suptitle(_title(docs[0]) + " - median of per-round ratios B/A, 95% bootstrap CI; "
-                 "green: B ahead, red: B behind, blue: within the interval", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _plot_rounds(plt, doc: dict, w: dict, path: Path) -> Path:
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.2))
-    for ax, (metric, (label, _)) in zip(axes, METRICS.items()):
-        for first, marker, color in (("A", "o", "tab:blue"), ("B", "^", "tab:orange")):
-            points = [(r["index"], r["ratios"][metric]) for r in w["rounds"]
-                      if r["ratios"] and r["order"][0] == first and r["ratios"].get(metric) is not None]
-            if points:
-                ax.scatter(*zip(*points), marker=marker, color=color, label=f"{first} first")
-        s = w["summary"].get(metric, {})
-        if s.get("n"):
-            ax.axhline(s["median_ratio"], color="black", linewidth=1)
-            ax.axhspan(s["ci_low"], s["ci_high"], color="grey", alpha=0.25)
-        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set_title(f"{label} B/A", fontsize=9)
-        ax.set_xlabel("round")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"{w['name']} (in {w['input_len']}, out {w['output_len']}, c={w['concurrency']}, "
-                 f"{w['requests']} req/round) - {_title(doc)}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _plot_acceptance(plt, docs: list[dict], path: Path) -> Path:
-    rows = [(w["name"], w["spec_decode"]) for d in docs for w in d["workloads"] if w.get("spec_decode")]
-    fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(rows)), 3.2))
-    width = 0.38
-    builds = docs[0]["environment"].get("builds", {})
-    for k, side in enumerate(SIDES):
-        rates = [(spec.get(side) or {}).get("acceptance_rate", float("nan")) for _, spec in rows]
-        ax.bar([i + (k - 0.5) * width for i in range(len(rows))], rates, width,
-               label=f"{side} ({builds.get(side, {}).get('name', side)})")
-    ax.set_xticks(range(len(rows)), [name for name, _ in rows], rotation=20, fontsize=7)
-    ax.set_ylabel("draft acceptance rate")
-    ax.legend(fontsize=7)
-    ax.set_title(_title(docs[0]), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # -- command line -------------------------------------------------------------------------------

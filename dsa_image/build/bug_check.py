@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from dsa_image.build import lock
+from dsa_image.build import lock, lock_parse
 from dsa_image.core import wheels
 from dsa_image.core.recipe import RECIPES_DIR, Recipe
 from dsa_image.serving.recipes import bug_usage_problems
@@ -21,13 +21,13 @@ from dsa_image.serving.workarounds import (Bug, BugError, Source, load_bugs, sou
 
 def pinned(build: Recipe, package: str) -> tuple[str, frozenset[str]]:
     """(version, sha256s) of `package` in the locks of `build`'s base; one version across them."""
-    name = lock.normalize(package)
+    name = lock_parse.normalize(package)
     found: dict[str, set[str]] = {}
     for job in lock.lock_jobs(build):
         path = lock.REPO_ROOT / job.output
         if job.arch is None or not path.is_file():
             continue
-        pin = lock.parse_lock(path.read_text()).get(name)
+        pin = lock_parse.parse_lock(path.read_text()).get(name)
         if pin is not None:
             found.setdefault(pin.version, set()).update(pin.hashes)
     if len(found) != 1:

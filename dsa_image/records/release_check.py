@@ -39,7 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsa_image.bench import paired as bench
+from dsa_image.bench import report, schedule, stats
 from dsa_image.records import store as records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,7 +78,7 @@ class Tree:
         return " ".join((self.repo / doc).read_text().split())
 
     def results(self, record: Path, name: str = "results.json") -> dict:
-        return bench.load_results(self.raw(record) / name)
+        return report.load_results(self.raw(record) / name)
 
 
 def _failed(claims: list[tuple[bool, str]]) -> list[str]:
@@ -205,7 +205,7 @@ def _readme_tables(tree: Tree) -> list[str]:
     for record in records.record_dirs(tree.repo):
         if record.parent.name == "benchmarks":
             found = sorted(n for n in records.read_archive(record) if n.rsplit("/", 1)[-1] == "results.json")
-            rows |= set(bench.table([tree.results(record.relative_to(tree.repo), n) for n in found]).splitlines())
+            rows |= set(report.table([tree.results(record.relative_to(tree.repo), n) for n in found]).splitlines())
     ratio_row = re.compile(r"^\| [\w.-]+ \| \d+ \| \d+\.\d{3} \[")
     return [f"{doc}: the row {line!r} is no benchmark record's (`scripts/bench.py table RESULTS`)"
             for doc in _claim_docs(tree)
@@ -248,9 +248,9 @@ def _interval_count(tree: Tree) -> list[str]:
     docs = [tree.results(BENCH_RUN, "base/results.json"), tree.results(BENCH_RUN, "mtp-long/results.json"), tree.results(MTP2)]
     workloads = [w for doc in docs for w in doc["workloads"]]
     verdicts = [s["verdict"] for w in workloads for s in w["summary"].values()]
-    ahead = [f"`{w['name']}` {bench.METRICS[m][0]}" for w in workloads for m, s in w["summary"].items()
+    ahead = [f"`{w['name']}` {stats.METRICS[m][0]}" for w in workloads for m, s in w["summary"].items()
              if s["verdict"] == "B ahead"]
-    said = (f"Of the {len(verdicts)} intervals ({len(workloads)} workloads, {len(bench.METRICS)} metrics), "
+    said = (f"Of the {len(verdicts)} intervals ({len(workloads)} workloads, {len(stats.METRICS)} metrics), "
             f"{verdicts.count('within interval')} contain 1 and one lies below it, in the overlay's favour ({', '.join(ahead)})")
     return _failed([(len(ahead) == 1 == len(verdicts) - verdicts.count("within interval"),
                      f"the docs count one interval in the overlay's favour and none against; the results have "
@@ -264,7 +264,7 @@ def _build_saving(tree: Tree) -> list[str]:
     host = json.loads((tree.raw(HOST_TIME_RUN) / "host-time.json").read_text())
     (bs1,) = [s for s in host["scenarios"] if s["scenario"] == "decode_bs1"]
     (c1,) = [w for w in tree.results(BASES)["workloads"] if w["name"] == "512x128-c1"]
-    tpot = [statistics.median(r["sides"][side]["stats"]["tpot_s"] for r in c1["rounds"]) for side in bench.SIDES]
+    tpot = [statistics.median(r["sides"][side]["stats"]["tpot_s"] for r in c1["rounds"]) for side in schedule.SIDES]
     saved = round(bs1["host_us_stock"] - bs1["host_us_overlay"])
     cited = {r"saves about \d+ µs a decode step": f"saves about {saved} µs a decode step",
              r"\([\d.]+ → [\d.]+ µs": f"({bs1['host_us_stock']} → {bs1['host_us_overlay']} µs",

@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsa_image.build import lock
+from dsa_image.build import lock, lock_parse
 from dsa_image.core import wheels
 from dsa_image.core.recipe import Recipe, RecipeError, load_recipe
 
@@ -83,11 +83,11 @@ def _read_lock(path: Path) -> str:
     return (REPO / path).read_text()
 
 
-def needed(recipe: Recipe) -> dict[str, lock.Pin]:
+def needed(recipe: Recipe) -> dict[str, lock_parse.Pin]:
     """Every pin of the base's amd64 locks: the common lock plus what the sm120 lock adds."""
     common_path = lock.common_lock(recipe, ARCH)
     extras_path = lock.target_lock(recipe, recipe.target(EXTRAS_TARGET), ARCH)
-    common, extras = lock.parse_lock(_read_lock(common_path)), lock.parse_lock(_read_lock(extras_path))
+    common, extras = lock_parse.parse_lock(_read_lock(common_path)), lock_parse.parse_lock(_read_lock(extras_path))
     moved = [f"{name}: {common[name].version} in {common_path}, {pin.version} in {extras_path}"
              for name, pin in extras.items() if name in common and common[name].version != pin.version]
     if moved:
@@ -106,7 +106,7 @@ def parse_freeze(text: str, where: str) -> dict[str, str]:
         if not sep or not name or not version:
             raise StageError(f"{where}:{number}: expected `name==version` (pip list --format=freeze), "
                              f"found {line.strip()!r}")
-        found[lock.normalize(name)] = version
+        found[lock_parse.normalize(name)] = version
     return found
 
 
@@ -125,17 +125,17 @@ def torch_stack(via: dict[str, frozenset[str]]) -> set[str]:
     also those whose version the H200 has: torch 2.14.0's _load_global_deps preloads each CUDA
     library from the first sys.path entry that has it, so one missing from the site would be
     the H200's venv's copy, beside the site's others (and torch_libs would refuse it)."""
-    return {name for name in lock.requirements_of(via, "torch") if name.startswith("nvidia-")}
+    return {name for name in lock_parse.requirements_of(via, "torch") if name.startswith("nvidia-")}
 
 
 def toolkit_wheels(recipe: Recipe) -> set[str]:
     """The pip CUDA toolkit's NVIDIA wheels: the toolchain phase builds a CUDA home from these
     files, so they travel even where the H200 has them installed (cuda-python, pinned there for
     the resolver, is no part of it)."""
-    return {name for name, _ in map(lock.split_pin, recipe.cuda_toolkit) if name.startswith("nvidia-")}
+    return {name for name, _ in map(lock_parse.split_pin, recipe.cuda_toolkit) if name.startswith("nvidia-")}
 
 
-def selection(pins: dict[str, lock.Pin], present: dict[str, str], stack: set[str],
+def selection(pins: dict[str, lock_parse.Pin], present: dict[str, str], stack: set[str],
               always: frozenset[str] | set[str] = frozenset()) -> list[Staged]:
     """The pins to stage: those the H200 lacks at the lock's version, `always`, and torch's
     NVIDIA libraries whenever torch itself is staged."""
@@ -154,10 +154,10 @@ def selection(pins: dict[str, lock.Pin], present: dict[str, str], stack: set[str
 
 
 def plan(recipe: Recipe, present: dict[str, str]) -> list[Staged]:
-    via = lock.parse_via(_read_lock(lock.common_lock(recipe, ARCH)))
+    via = lock_parse.parse_via(_read_lock(lock.common_lock(recipe, ARCH)))
     pins = needed(recipe)
     locked = {(name, p.version) for name, p in pins.items()}
-    missing = [pin for pin in (*recipe.cuda_toolkit, *recipe.cluster_packages) if lock.split_pin(pin) not in locked]
+    missing = [pin for pin in (*recipe.cuda_toolkit, *recipe.cluster_packages) if lock_parse.split_pin(pin) not in locked]
     if missing:
         raise StageError(f"the {recipe.vllm_version} locks lack the recipe's {', '.join(missing)}; "
                          f"run `{lock.lock_command(recipe.vllm_version)}`")
@@ -276,7 +276,7 @@ def parse_selection(text: str) -> dict[str, tuple[str, str]]:
     for line in text.splitlines():
         if line.strip():
             pin, filename = line.split()[:2]
-            name, version = lock.split_pin(pin)
+            name, version = lock_parse.split_pin(pin)
             found[name] = (version, filename)
     return found
 

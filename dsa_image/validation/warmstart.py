@@ -50,7 +50,7 @@ from pathlib import Path
 
 from dsa_image.build import model_info_cache
 from dsa_image.runtime import warmup
-from dsa_image.bench.paired import stream_completion
+from dsa_image.bench.client import stream_completion
 from dsa_image.harness import server as serving
 from dsa_image.validation.serving_modes import model_prompt_ids, prompt_token_ids
 
