@@ -1,5 +1,6 @@
-"""The house's shape: the runtime image carries exactly the code it runs, and each package
-imports only the packages of the layers before it (LAYERS; docs/design.md), so none in a cycle.
+"""The house's shape: the runtime image carries exactly the code it runs, each package imports
+only the packages of the layers before it (LAYERS; docs/design.md), so none in a cycle, and no
+module grows past what one reader holds (MAX_MODULE_LINES).
 
 The image's `overlay` stage (Dockerfile) copies dsa_image/ file by file or package by package;
 the code it runs is dsa_image/runtime/ (entrypoint, healthcheck, warm-up, self-test) and the
@@ -14,6 +15,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "dsa_image"
+MAX_MODULE_LINES = 700
 
 
 def module_file(name: str) -> Path | None:
@@ -135,3 +137,9 @@ def test_a_package_imports_only_the_packages_before_it():
     wrong = sorted(f"{a} imports {b}" for a, targets in package_imports().items() for b in targets
                    if LAYERS.index(b) >= LAYERS.index(a))
     assert not wrong, f"imports against the layers {LAYERS}: {wrong} (a cycle, or a layer to move)"
+
+
+def test_no_module_is_longer_than_one_reader_holds():
+    long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them at a seam): {long}"
