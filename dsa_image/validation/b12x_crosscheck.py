@@ -24,6 +24,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 SEED = 7
 TOLERANCE = 1e-5
@@ -41,6 +42,8 @@ def real_b12x_dir(emulation_dir: str) -> Path:
 
 def load_file(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"{path}: not loadable as a Python module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -59,7 +62,7 @@ def run(emulation_dir: str) -> dict:
     torch.set_float32_matmul_precision("highest")  # b12x's references in full fp32, not TF32
     try:
         reference = load_file(indexer_dir / "reference.py", "b12x_wheel_reference")
-        report = {"b12x": str(root), "release": check_release(release, root),
+        report: dict[str, Any] = {"b12x": str(root), "release": check_release(release, root),
                   "paged_logits": check_paged(emulated, reference),
                   "contiguous": check_contiguous(emulated, reference),
                   "schedules": check_schedules(emulated, load_file(indexer_dir / "schedule_metadata.py",

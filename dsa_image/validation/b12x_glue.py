@@ -383,7 +383,8 @@ def case_verdict(case: GlueCase, result: CaseResult) -> list[str]:
 def _width_verdict(facts: dict, emulation: dict) -> list[str]:
     """b12x's decode scored exactly up to the longest decode context: the builder's width where
     it passes one (0.24.0), the one b12x computed on the device otherwise, as recorded."""
-    exact, why = facts.get("exact_decode_max"), []
+    exact = facts.get("exact_decode_max")
+    why: list[str] = []
     if exact is None:
         return why
     if emulation.get("decode_calls") and "decode_active_width" not in emulation:

@@ -36,9 +36,12 @@ def load_release_module(emulation_dir: str):
     path = Path(emulation_dir).resolve() / "b12x" / "_release.py"
     name = "b12x_emulated_release"
     loaded = sys.modules.get(name)
-    if loaded is not None and Path(loaded.__file__) == path:
+    # A module without a file (__file__ None) is not the one we load: load ours over it.
+    if loaded is not None and loaded.__file__ is not None and Path(loaded.__file__) == path:
         return loaded
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"{path}: not loadable as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

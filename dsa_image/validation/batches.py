@@ -96,7 +96,7 @@ def random_block_table(rng, num_reqs: int, width: int, num_blocks: int) -> np.nd
 
 def chunk_covers_every_row_once(chunks, prefill_query_lens, request_offset) -> bool:
     """Each (request, query row) appears in exactly one (req_slice, query_slice)."""
-    seen = {}
+    seen: dict[int, int] = {}
     starts = np.concatenate([[0], np.cumsum(prefill_query_lens)])
     for req_slice, query_slice in chunks:
         base = starts[req_slice.start - request_offset]

@@ -143,6 +143,8 @@ def run_call(args) -> int:
     all_runs = [spec for wave in waves for spec in wave]
     probes = probe_isolation() if any(spec.layout.ray_nodes == 2 for spec in all_runs) else {}
     methods = resolve_methods(all_runs, probes, tuple(args.methods.split(",")))
+    # The runs that may start, by their method (the others are recorded as not run).
+    usable = {name: m for name, m in methods.items() if not isinstance(m, Refused)}
     print(json.dumps({"vllm": base, "isolation_probe": probes,
                       "methods": {k: f"refused: {v}" if isinstance(v, Refused) else v
                                   for k, v in methods.items()}}, indent=1))
@@ -153,13 +155,13 @@ def run_call(args) -> int:
         runnable = [spec for spec in wave_runs if spec.name not in records]
         left = deadline - time.monotonic()
         if runnable and left < args.min_wave_s:
-            records.update({spec.name: not_run(spec, methods[spec.name], probes,
+            records.update({spec.name: not_run(spec, usable[spec.name], probes,
                                                f"{left:.0f} s left of this call's {args.deadline_s:.0f} s, a wave needs "
                                                f"{args.min_wave_s:.0f} s; run it in another call", base)
                             for spec in runnable})
             runnable = []
         if runnable:
-            wave = Wave(runnable, methods, probes, args, slot, args.port_base + PORTS_PER_WAVE * wave_index, call_id,
+            wave = Wave(runnable, usable, probes, args, slot, args.port_base + PORTS_PER_WAVE * wave_index, call_id,
                         base)
             slot = wave.next_slot
             records.update(run_wave(wave, deadline, args))

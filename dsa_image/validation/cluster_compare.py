@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from dsa_image.harness import server as serving
 from dsa_image.validation.cluster_plan import ALLREDUCE_GUARD, BUILDS, MAX_TOKENS, PROMPT_LENGTHS, Refused
@@ -76,7 +77,7 @@ def compare_runs(runs: dict[str, dict]) -> dict:
     for name, run in sorted(runs.items()):
         ref_name = run.get("reference")
         ref = runs.get(ref_name) if ref_name else None
-        vs_ref = None
+        vs_ref: dict[str, Any] | None = None
         if ref_name and run["expected"] != "serve":
             vs_ref = {"comparable": False, "why": "a control, expected not to serve"}
         elif ref_name and not any(b.get("results") for b in run["builds"].values()):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import TypeVar
 
 # -- layouts ------------------------------------------------------------------------------------
 
@@ -240,11 +241,23 @@ def _addresses(method: str, slot: int):
     return f"127.0.{slot + 10}.1", f"127.0.{slot + 10}.2", None, None
 
 
+_T = TypeVar("_T")
+
+
+def _planned(value: _T | None, what: str) -> _T:
+    """`value`, which plan_cluster sets wherever a command or environment uses it: a plan without
+    it (made some other way) is refused rather than run with "None" in a command."""
+    if value is None:
+        raise Refused(f"the cluster plan has no {what}: plan_cluster sets it for this isolation method")
+    return value
+
+
 def netns_setup_commands(plan: ClusterPlan) -> list[list[str]]:
     """The network of a netns cluster: a veth pair, the worker's end in its namespace, a default
     route back through the head's end (so it reaches every address of the host)."""
-    host_if, ns_if = plan.veth
-    ns = plan.worker.netns
+    host_if, ns_if = _planned(plan.veth, "veth pair")
+    worker = _planned(plan.worker, "worker node")
+    ns = _planned(worker.netns, "network namespace")
     in_ns = ["ip", "netns", "exec", ns]
     return [
         ["ip", "netns", "add", ns],
@@ -252,7 +265,7 @@ def netns_setup_commands(plan: ClusterPlan) -> list[list[str]]:
         ["ip", "link", "set", ns_if, "netns", ns],
         ["ip", "addr", "add", f"{plan.head.ip}/24", "dev", host_if],
         ["ip", "link", "set", host_if, "up"],
-        [*in_ns, "ip", "addr", "add", f"{plan.worker.ip}/24", "dev", ns_if],
+        [*in_ns, "ip", "addr", "add", f"{worker.ip}/24", "dev", ns_if],
         [*in_ns, "ip", "link", "set", ns_if, "up"],
         [*in_ns, "ip", "link", "set", "lo", "up"],
         [*in_ns, "ip", "route", "add", "default", "via", plan.head.ip],
@@ -261,7 +274,8 @@ def netns_setup_commands(plan: ClusterPlan) -> list[list[str]]:
 
 def netns_teardown_commands(plan: ClusterPlan) -> list[list[str]]:
     # Deleting the namespace deletes its veth end, and with it the host's end.
-    return [["ip", "netns", "del", plan.worker.netns], ["ip", "link", "del", plan.veth[0]]]
+    ns = _planned(_planned(plan.worker, "worker node").netns, "network namespace")
+    return [["ip", "netns", "del", ns], ["ip", "link", "del", _planned(plan.veth, "veth pair")[0]]]
 
 
 # -- commands and environments --------------------------------------------------------------------
@@ -304,9 +318,11 @@ def node_command(python: str, plan: ClusterPlan, node: NodePlan) -> list[str]:
     ray = ray_start_command(python, plan, node)
     if node.role == "head" or plan.method == "shared":
         return ray
-    isolate = ["sh", "-c", ISOLATE_SCRIPT, "sh", node.private_tmp, plan.temp_dir, node.hostname, *ray]
+    isolate = ["sh", "-c", ISOLATE_SCRIPT, "sh", _planned(node.private_tmp, f"private Ray temp dir of {node.name}"),
+               plan.temp_dir, _planned(node.hostname, f"hostname of {node.name}"), *ray]
     if plan.method == "netns":
-        return ["ip", "netns", "exec", node.netns, "unshare", "--uts", "--", *isolate]
+        ns = _planned(node.netns, f"network namespace of {node.name}")
+        return ["ip", "netns", "exec", ns, "unshare", "--uts", "--", *isolate]
     return ["unshare", "--mount", "--uts", "--propagation", "private", "--", *isolate]
 
 
@@ -368,7 +384,8 @@ ALLREDUCE_GUARD = ("FlashInfer's all-reduce kept off NVLink multicast: VLLM_FLAS
 def _two_node_env(node: NodePlan) -> dict[str, str]:
     # What docs/cluster.md asks of every node of a real cluster: its own address, and the
     # interface NCCL and gloo bootstrap over.
-    return {"VLLM_HOST_IP": node.ip, "NCCL_SOCKET_IFNAME": node.ifname, "GLOO_SOCKET_IFNAME": node.ifname}
+    ifname = _planned(node.ifname, f"network interface of {node.name}")
+    return {"VLLM_HOST_IP": node.ip, "NCCL_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
 
 
 def node_env_extra(plan: ClusterPlan, node: NodePlan, tag: str) -> dict[str, str]:

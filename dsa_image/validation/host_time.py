@@ -25,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,8 @@ BUILDERS = ("stock", "overlay", "stock_control")
 
 def load_stock_indexer(path: str):
     spec = importlib.util.spec_from_file_location("dsa_stock_indexer", path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"{path}: not loadable as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
@@ -58,7 +61,7 @@ def interleaved_host_us(builds: dict, calls: int = CALLS) -> dict:
     import torch
 
     names = list(builds)
-    samples = {name: [] for name in names}
+    samples: dict[str, list[float]] = {name: [] for name in names}
     gc.disable()
     try:
         for round_index in range(calls):
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
             table = B.random_block_table(rng, spec.num_reqs, width, probe.NUM_BLOCKS)
             cm = probe.make_common_metadata(spec, table)
             builds = {name: (lambda b=b, cm=cm: b.build(0, cm)) for name, b in builders.items()}
-            built = {}
+            built: dict[str, dict[str, Any]] = {}
             for name, build in builds.items():  # also the warm-up call of each
                 md = build()
                 torch.cuda.synchronize()

@@ -247,7 +247,7 @@ def check_block_table_growth(model_dir: str) -> dict:
     runner_width = runner_block_table_width(config) if told else buffer_width + 3
     flattened = bool(builder.use_flattening)
     uniform_only = not (flattened or getattr(builder, "supports_varlen", False))
-    report = {"buffer_width": int(buffer_width), "runner_width": int(runner_width),
+    report: dict[str, object] = {"buffer_width": int(buffer_width), "runner_width": int(runner_width),
               "builder_told_runner_width": told, "flattened": flattened}
     for variable in (False, True):
         name = "variable" if variable else "uniform"

@@ -189,7 +189,8 @@ def receive(s: Session) -> int:
         print(f"receive: expected {sums}; carry .stage/vllm-{p.vllm}/SHA256SUMS and selection.txt (with the "
               "first part)", file=sys.stderr)
         return FAILED
-    listed = dict(reversed(line.split("  ", 1)) for line in sums.read_text().splitlines() if "  " in line)
+    listed = {name: digest for digest, name in (line.split("  ", 1) for line in sums.read_text().splitlines()
+                                                 if "  " in line)}
     damaged = [name for name in arrived if name in listed
                and hashlib.sha256((p.stage / name).read_bytes()).hexdigest() != listed[name]]
     for name in damaged:
@@ -367,9 +368,9 @@ def toolchain(s: Session) -> int:
             [cuda_home / "bin" / "nvcc", "--version"], r / "toolchain-nvcc.txt", echo=True):
         return FAILED
     p.toolchain_home.mkdir(parents=True, exist_ok=True)
-    path = os.pathsep.join([str(cuda_home / "bin"), *(d for d in os.environ.get("PATH", "").split(os.pathsep)
-                                                      if "cuda" not in d)])
-    env = {"HOME": str(p.toolchain_home), "CUDA_HOME": str(cuda_home), "PATH": path,
+    search_path = os.pathsep.join([str(cuda_home / "bin"), *(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                                                             if "cuda" not in d)])
+    env = {"HOME": str(p.toolchain_home), "CUDA_HOME": str(cuda_home), "PATH": search_path,
            "DG_JIT_CACHE_DIR": str(p.toolchain_home / "deep_gemm"), "DG_JIT_PRINT_COMPILER_COMMAND": "1"}
     status = smoke_run(s, "toolchain", [], env, said="toolchain smoke")
     # Which compiler built the kernels: DeepGEMM prints each command (DG_JIT_PRINT_COMPILER_COMMAND).

@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from dsa_image.build import model_info_cache, tiny_model
 from dsa_image.core.compile_caches import cache_env
@@ -295,11 +296,11 @@ def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, s
     if site:
         env["PYTHONPATH"] = pythonpath(site)
     cmd = [python, "-m", "vllm.entrypoints.cli.main", "serve", str(model), *args]
-    result = {"run": run.name, "recipes": list(run.recipes), "command": cmd[3:], "env": run.env,
+    result: dict[str, Any] = {"run": run.name, "recipes": list(run.recipes), "command": cmd[3:], "env": run.env,
               "changes": [asdict(c) for c in run.changes]}
     log_path = out / f"{run.name}.log"
     with open(log_path, "w") as log:
-        server = {"proc": None}
+        server: dict[str, subprocess.Popen | None] = {"proc": None}
         try:
             model_info_cache.image_home(home, model_info_cache.fill_with(python, env, model, work / "model-info"))
             server["proc"] = proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=home,

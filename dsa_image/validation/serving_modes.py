@@ -50,6 +50,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, TypedDict
 
 from dsa_image.build import model_info_cache
 from dsa_image.core.dist_info import installed_versions
@@ -172,13 +173,21 @@ def log_facts(log_path: str) -> dict:
 
 # -- what each base gives on the H200 ------------------------------------------------------------
 
+class H200Paths(TypedDict):
+    """What one vLLM base does on an H200: the indexer's native decode next_n, and the attention
+    backend per --kv-cache-dtype."""
+
+    native_next_n: tuple[int, ...]
+    backend: dict[str, str]
+
+
 # Per base, on sm_90 with DeepGEMM: the next_n the indexer decodes natively (0.24.0:
 # indexer.py, `next_n not in (1, 2)` flattens off SM100; 0.33.0: utils/deep_gemm.py,
 # native_next_n_supported) and the attention backend per --kv-cache-dtype (the sm_90 sparse MLA
 # priorities of platforms/cuda.py and each backend's kv-cache dtypes: FLASH_ATTN_MLA_SPARSE,
 # first on 0.33.0, takes bf16 caches only; FLASHMLA_SPARSE, next, takes fp8 and fp8_ds_mla).
 # The "auto" backends are the recipe's sm90 targets'.
-H200_PATHS = {
+H200_PATHS: dict[str, H200Paths] = {
     "0.24.0": {"native_next_n": (1, 2),
                "backend": {"auto": "FLASHMLA_SPARSE", "fp8": "FLASHMLA_SPARSE", FP8_KV: "FLASHMLA_SPARSE"}},
     "0.33.0": {"native_next_n": (1, 2, 4),
@@ -227,7 +236,7 @@ def paths_report(base: str | None, mode: Mode, logged: dict[str, dict]) -> dict:
     the overlay are compared on whatever path they ran)."""
     expected = expected_on_h200(base, mode)
     sides = {side: logged_paths(facts) for side, facts in logged.items()}
-    report = {"vllm": base, "expected_on_h200": expected, "logged": sides}
+    report: dict[str, Any] = {"vllm": base, "expected_on_h200": expected, "logged": sides}
     if expected is not None:
         report["differences"] = {side: path_differences(expected, paths) for side, paths in sides.items()}
         report["as_expected"] = not any(report["differences"].values())
@@ -256,7 +265,12 @@ def decode_path_modes(base: str | None) -> list[str]:
         raise SystemExit(f"--modes {MTP_PATHS}: no decode-path record for vLLM {base} (H200_PATHS); name the modes")
     mtp = sorted((m for m in MODES.values() if m.model == "mtp" and m.max_model_len == 8192
                   and m.kv_cache_dtype == "auto"), key=lambda m: m.spec_tokens)
-    per_path = {expected_on_h200(base, m)["flattened"]: m.name for m in mtp}
+    per_path = {}
+    for m in mtp:
+        expected = expected_on_h200(base, m)
+        if expected is None:  # H200_PATHS lacks the mode's KV-cache dtype
+            raise SystemExit(f"--modes {MTP_PATHS}: no H200 record of mode {m.name} on vLLM {base}; name the modes")
+        per_path[expected["flattened"]] = m.name
     return sorted(per_path.values())
 
 
@@ -335,7 +349,9 @@ def spec_agrees(spec: dict) -> bool | None:
     if stock is None and overlay is None:
         return None
     keys = ("drafts", "draft_tokens", "accepted_tokens", "accepted_per_position")
-    return bool(stock and overlay) and all(stock[k] == overlay[k] for k in keys)
+    if not (stock and overlay):
+        return False
+    return all(stock[k] == overlay[k] for k in keys)
 
 
 def mode_ok(mode: Mode, report: dict) -> bool:

@@ -29,6 +29,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from dsa_image.build import lock, lock_parse
 from dsa_image.core import wheels
@@ -213,28 +214,32 @@ class _Parts:
     part, so the bundle is never on disk twice."""
 
     def __init__(self, out: Path, part_bytes: int):
-        self.out, self.part_bytes, self.digest, self.paths, self.size = out, part_bytes, hashlib.sha256(), [], 0
+        self.out, self.part_bytes, self.digest, self.size = out, part_bytes, hashlib.sha256(), 0
+        self.paths: list[Path] = []
         self.part_digests: list = []
-        self._file = None
+        self._file: BinaryIO | None = None
 
     def write(self, data: bytes) -> int:
         view = memoryview(data)
         while view:
-            if self._file is None or self._file.tell() == self.part_bytes:
-                self._next()
-            take = min(len(view), self.part_bytes - self._file.tell())
-            self._file.write(view[:take])
+            file = self._file
+            if file is None or file.tell() == self.part_bytes:
+                file = self._next()
+            take = min(len(view), self.part_bytes - file.tell())
+            file.write(view[:take])
             self.digest.update(view[:take])
             self.part_digests[-1].update(view[:take])
             self.size += take
             view = view[take:]
         return len(data)
 
-    def _next(self) -> None:
+    def _next(self) -> BinaryIO:
+        """Close the part being written and open the next: the file now written."""
         self.close()
         self.paths.append(self.out / f"{BUNDLE}.part{len(self.paths):02d}")
         self.part_digests.append(hashlib.sha256())
-        self._file = self.paths[-1].open("wb")
+        self._file = file = self.paths[-1].open("wb")
+        return file
 
     def close(self) -> None:
         if self._file is not None:
@@ -254,7 +259,8 @@ def write_stage(staged: list[Staged], files: dict[str, Path], out: Path, part_by
         old.unlink(missing_ok=True)
     parts = _Parts(out, part_bytes)
     try:
-        with tarfile.open(fileobj=parts, mode="w|") as tar:
+        # typeshed asks any fileobj for read, tell and seek; a stream ("w|") only writes to it.
+        with tarfile.open(fileobj=parts, mode="w|") as tar:  # type: ignore[call-overload]
             for s in staged:
                 tar.add(files[s.name], arcname=files[s.name].name)
     finally:
@@ -287,8 +293,9 @@ def unsupported(filenames: list[str]) -> list[str]:
         from packaging.tags import sys_tags
         from packaging.utils import parse_wheel_filename
     except ImportError:  # pip's own copy, always there where pip is
-        from pip._vendor.packaging.tags import sys_tags
-        from pip._vendor.packaging.utils import parse_wheel_filename
+        # The same functions; mypy sees another module's types (pip's vendored packaging).
+        from pip._vendor.packaging.tags import sys_tags  # type: ignore[assignment]
+        from pip._vendor.packaging.utils import parse_wheel_filename  # type: ignore[assignment]
     accepted = set(sys_tags())
     return [f for f in filenames if not set(parse_wheel_filename(f)[3]) & accepted]
 

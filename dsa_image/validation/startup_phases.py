@@ -129,6 +129,8 @@ class Phase:
 
     @property
     def seconds(self) -> float:
+        if self.end is None:
+            raise ValueError(f"phase {self.name!r} has no end")
         return round((self.end - self.start).total_seconds(), 1)
 
 
@@ -161,6 +163,14 @@ def record_from_log(lines: list[Line]) -> Record:
     return Record(None, steps)
 
 
+def _time(lines: list[Line], i: int) -> datetime:
+    """The time of line `i`, one picked as a timed line (a marker, healthy, a build's start)."""
+    at = lines[i].at
+    if at is None:
+        raise ValueError(f"log line {i + 1} carries no time: {lines[i].text[:120]!r}")
+    return at
+
+
 def _first(lines: list[Line], needles: tuple[str, ...], after: int = 0) -> int | None:
     for i in range(after, len(lines)):
         if lines[i].at is not None and any(n in lines[i].text for n in needles):
@@ -186,16 +196,16 @@ def _starts(lines: list[Line]) -> list[tuple[str, int, datetime]]:
     """(phase, line index, start) for every phase marker found after process start."""
     first_vllm = next((i for i, ln in enumerate(lines) if ln.at and VLLM_LINE.search(ln.text)), None)
     fork = _engine_fork(lines)
-    found = []
+    found: list[tuple[str, int, datetime]] = []
     if first_vllm is not None:
-        found.append(("config and model inspection (API server)", first_vllm, lines[first_vllm].at))
+        found.append(("config and model inspection (API server)", first_vllm, _time(lines, first_vllm)))
     if fork is not None:
-        found.append(("import: engine core process", fork, lines[fork].at))
+        found.append(("import: engine core process", fork, _time(lines, fork)))
     after = fork or 0
     for name, needles in MARKERS:
         i = _first(lines, needles, after)
         if i is not None:
-            found.append((name, i, lines[i].at))
+            found.append((name, i, _time(lines, i)))
     if (capture := _capture(lines, after)) is not None:
         found.append(capture)
     found.sort(key=lambda f: f[1])
@@ -215,8 +225,11 @@ def _capture(lines: list[Line], after: int) -> tuple[str, int, datetime] | None:
         return None
     first = next((i for i in range(after, done) if "Capturing CUDA graphs" in lines[i].text
                   or "Breakable CUDA graph enabled" in lines[i].text), done)
-    seconds = int(CAPTURE_DONE.search(lines[done].text)["s"])
-    return CAPTURE, first, lines[done].at - timedelta(seconds=seconds)
+    said = CAPTURE_DONE.search(lines[done].text)
+    if said is None:
+        raise ValueError(f"log line {done + 1} says capture finished but not in how many secs: "
+                         f"{lines[done].text[:120]!r}")
+    return CAPTURE, first, _time(lines, done) - timedelta(seconds=int(said["s"]))
 
 
 def _count_jit(lines: list[Line]) -> dict[str, int]:
@@ -241,7 +254,7 @@ def _flashinfer_notes(lines: list[Line], first: int, last: int) -> list[str]:
         if m := FLASHINFER_BUILD.search(lines[i].text):
             nxt = next((ln.at for ln in lines[i + 1:] if ln.at is not None), None)
             if nxt is not None:
-                notes.append(f"FlashInfer {m[1]} built in <= {(nxt - lines[i].at).total_seconds():.0f} s")
+                notes.append(f"FlashInfer {m[1]} built in <= {(nxt - _time(lines, i)).total_seconds():.0f} s")
     return notes
 
 
@@ -251,7 +264,7 @@ def phases(text: str, record: Record, year: int = 2000) -> dict:
     healthy_i = _first(lines, (HEALTHY_LINE,))
     if healthy_i is None:
         raise ValueError(f"the log has no {HEALTHY_LINE!r} line: the server never listened")
-    healthy_at = lines[healthy_i].at
+    healthy_at = _time(lines, healthy_i)
     start, derived = _process_start(lines, record, healthy_at)
     rows = [Phase("import: API server process (Python, torch, vLLM, plugins)", start, first=0)]
     for name, index, at in _starts(lines):

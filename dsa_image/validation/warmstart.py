@@ -47,6 +47,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from dsa_image.build import model_info_cache
 from dsa_image.runtime import warmup
@@ -136,13 +137,16 @@ def request_3000(port: int, token_ids: list[int], key: str) -> dict:
     sample = stream_completion(port, serving.SERVED_NAME, prompt, MAX_TOKENS)
     if sample.error:
         raise RuntimeError(f"3,000-token request on port {port}: {sample.error}")
-    return {"latency_s": round(sample.end - sample.start, 4), "ttft_s": round(sample.ttft, 4)}
+    if (ttft := sample.ttft) is None:
+        raise RuntimeError(f"3,000-token request on port {port}: no token streamed")
+    return {"latency_s": round(sample.end - sample.start, 4), "ttft_s": round(ttft, 4)}
 
 
 def measure_side(server: dict, step: str, run_warmup: bool, token_ids: list[int],
                  goal_factor: float = GOAL_FACTOR) -> dict:
     """Warm-up (if asked), the first request, then the warm ones; compilations between."""
-    result, healthy_at = {}, log_size(server)
+    result: dict[str, Any] = {}
+    healthy_at = log_size(server)
     if run_warmup:
         endpoint = warmup.Endpoint.from_url(f"http://127.0.0.1:{server['port']}")
         report = warmup.warm(endpoint, warmup.Settings(), lambda line: None)
@@ -221,7 +225,7 @@ def run_step(step: str, args, sides: dict[str, str], work_dir: Path, out_dir: Pa
                                     server_args, home=str(homes[side]), env_extra={
                                         "DG_JIT_PRINT_COMPILER_COMMAND": "1", "PYTHONUNBUFFERED": "1"})
                for i, (side, site) in enumerate(sides.items())]
-    report = {"empty_caches_at_start": empty_first, "warmup": run_warmup, "sides": {}}
+    report: dict[str, Any] = {"empty_caches_at_start": empty_first, "warmup": run_warmup, "sides": {}}
     try:
         healthy = serving.wait_all_healthy(servers, time.monotonic() + args.timeout)
         token_ids = prompt_token_ids(args.model)
