@@ -112,7 +112,7 @@ class FakeOpenAI:
         def key(t):
             return f"token_id:{t}" if body.get("return_tokens_as_token_ids") else f" w{t}"
         chosen = [-1.0 - (t % 7) / 10 for t in ids]
-        top = [{key(t + r): lp - r for r in range(body["logprobs"])} for t, lp in zip(ids, chosen)]
+        top = [{key(t + r): lp - r for r in range(body["logprobs"])} for t, lp in zip(ids, chosen, strict=True)]
         return {"token_logprobs": chosen, "top_logprobs": top}
 
     def metrics(self) -> str:

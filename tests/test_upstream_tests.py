@@ -137,13 +137,13 @@ def test_a_file_that_is_not_python_is_refused_with_its_name():
 # --- the sdist ------------------------------------------------------------------------------------
 
 
-def sdist(path: Path, members: dict[str, bytes], links: dict[str, str] = {}) -> Path:
+def sdist(path: Path, members: dict[str, bytes], links: dict[str, str] | None = None) -> Path:
     with tarfile.open(path, "w:gz") as archive:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             archive.addfile(info, io.BytesIO(data))
-        for name, target in links.items():
+        for name, target in (links or {}).items():
             info = tarfile.TarInfo(name)
             info.type, info.linkname = tarfile.SYMTYPE, target
             archive.addfile(info)

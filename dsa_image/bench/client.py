@@ -32,7 +32,7 @@ class Sample:
 
     @property
     def tpot(self) -> float | None:
-        if self.tokens < 2 or self.first_token is None:
+        if self.tokens < 2 or self.first_token is None or self.last_token is None:
             return None
         return (self.last_token - self.first_token) / (self.tokens - 1)
 
@@ -112,14 +112,14 @@ def run_round(port: int, model: str, prompts: list[list[int]], max_tokens: int, 
 
 def side_stats(samples: list[Sample]) -> dict:
     ok = [s for s in samples if s.error is None]
-    stats = {"requests": len(samples), "errors": len(samples) - len(ok),
+    stats: dict[str, float | None] = {"requests": len(samples), "errors": len(samples) - len(ok),
              "output_tokens": sum(s.tokens for s in ok)}
     if not ok:
         return stats
     wall = max(s.end for s in samples) - min(s.start for s in samples)
     ttfts = sorted(s.ttft for s in ok if s.ttft is not None)
     tpots = [s.tpot for s in ok if s.tpot is not None]
-    stats.update(wall_s=wall, output_tok_s=stats["output_tokens"] / wall if wall > 0 else None,
+    stats.update(wall_s=wall, output_tok_s=sum(s.tokens for s in ok) / wall if wall > 0 else None,
                  ttft_p50_s=quantile(ttfts, 0.50) if ttfts else None,
                  ttft_p99_s=quantile(ttfts, 0.99) if ttfts else None,
                  tpot_s=statistics.median(tpots) if tpots else None)

@@ -113,7 +113,7 @@ def gpu_info() -> dict:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": f"nvidia-smi: {exc}"}
     rows = [[part.strip() for part in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
-    return {"gpus": [dict(zip(query.split(","), row)) for row in rows]} if rows else {"error": done.stderr[-300:]}
+    return {"gpus": [dict(zip(query.split(","), row, strict=False)) for row in rows]} if rows else {"error": done.stderr[-300:]}
 
 
 # -- running ------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def plot(paths: list[str], out_dir: str | None = None) -> list[Path]:
 def _plot_ratios(plt, docs: list[dict], path: Path) -> Path:
     workloads = [w for d in docs for w in d["workloads"]]
     fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 1 + 0.5 * len(workloads)), sharey=True)
-    for ax, (metric, (label, direction)) in zip(axes, METRICS.items()):
+    for ax, (metric, (label, direction)) in zip(axes, METRICS.items(), strict=True):
         for y, w in enumerate(workloads):
             s = w["summary"].get(metric, {})
             if not s.get("n"):
@@ -64,12 +64,12 @@ def _plot_ratios(plt, docs: list[dict], path: Path) -> Path:
 
 def _plot_rounds(plt, doc: dict, w: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.2))
-    for ax, (metric, (label, _)) in zip(axes, METRICS.items()):
+    for ax, (metric, (label, _)) in zip(axes, METRICS.items(), strict=True):
         for first, marker, color in (("A", "o", "tab:blue"), ("B", "^", "tab:orange")):
             points = [(r["index"], r["ratios"][metric]) for r in w["rounds"]
                       if r["ratios"] and r["order"][0] == first and r["ratios"].get(metric) is not None]
             if points:
-                ax.scatter(*zip(*points), marker=marker, color=color, label=f"{first} first")
+                ax.scatter(*zip(*points, strict=True), marker=marker, color=color, label=f"{first} first")
         s = w["summary"].get(metric, {})
         if s.get("n"):
             ax.axhline(s["median_ratio"], color="black", linewidth=1)

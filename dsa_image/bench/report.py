@@ -100,7 +100,7 @@ def levels_table(docs: list[dict]) -> str:
              "|" + "---|" * (6 + texts)]
     for doc in docs:
         for w in doc["workloads"]:
-            def pair(metric: str, scale: float, digits: int) -> str:
+            def pair(metric: str, scale: float, digits: int, w: dict = w) -> str:
                 return " / ".join(_fmt(_side_median(w, side, metric), scale, digits) for side in SIDES)
             row = (f"| {w['name']} | {pair('output_tok_s', 1, 0)} | {pair('ttft_p50_s', 1e3, 1)} "
                    f"| {pair('tpot_s', 1e3, 2)} | {_fmt(_order_median(w, 'A'))} | {_fmt(_order_median(w, 'B'))} |")

@@ -69,7 +69,7 @@ def summarize(rounds: list[dict], resamples: int, confidence: float, seed: int) 
 def texts_compared(a: list[dict], b: list[dict]) -> dict:
     """How many of a round's prompts got the same text from A and B. Greedy, the same prompts:
     two builds that compute the same tokens answer alike, MTP drafts accepted or not."""
-    pairs = [(x["text_sha256"], y["text_sha256"]) for x, y in zip(a, b)
+    pairs = [(x["text_sha256"], y["text_sha256"]) for x, y in zip(a, b, strict=False)
              if not x["error"] and not y["error"] and "text_sha256" in x and "text_sha256" in y]
     return {"compared": len(pairs), "equal": sum(x == y for x, y in pairs)}
 

@@ -241,31 +241,37 @@ def lock_problems(recipe: Recipe, root: Path = REPO_ROOT) -> list[str]:
         scans[path], syntax = scan_lock(text, path, regenerate)
         problems += syntax
     problems += _sums_problems(expected, list(locks), root, regenerate)
-    torch_pins = {o for t in recipe.targets.values() for o in t.overrides if split_pin(o)[0] == "torch"}
     for platform in recipe.platforms:
-        arch = ARCH_OF_PLATFORM[platform]
-        common_path = common_lock(recipe, arch)
-        if common_path not in scans:
-            continue
-        common = _by_name(scans[common_path])
-        problems += _expect_pin(common, f"{VLLM}=={recipe.vllm_version}", common_path)
-        for pin in (*recipe.cuda_toolkit, *recipe.cluster_packages, *torch_pins):
-            problems += _expect_pin(common, pin, common_path)
-        for target in recipe.targets.values():
-            path = target_lock(recipe, target, arch)
-            if not target.extras or platform not in target.platforms or path not in scans:
-                continue
-            full = _by_name(scans[path])
-            for name, pin in sorted(common.items()):
-                # hashes: _consistency_problems and _vllm_problems say which ones differ
-                if name not in full or full[name].version != pin.version:
-                    problems.append(f"{path}: {name} differs from {common_path} (the extras lock must only add packages)")
-            for extra in target.extras:
-                problems += _expect_pin(full, extra.requirement, path)
+        problems += _platform_problems(recipe, platform, scans)
     problems += _vllm_problems(recipe, scans, regenerate)
     problems += _consistency_problems(scans, regenerate)
     if not recipe.sdist.sha256:
         problems.append(f"{_shown(recipe.path)}: no sha256 for {recipe.sdist.filename}; {regenerate}")
+    return problems
+
+
+def _platform_problems(recipe: Recipe, platform: str, scans: dict[Path, list[LockedPin]]) -> list[str]:
+    """One platform's common lock carries the recipe's pins, and each extras lock of it only adds."""
+    arch = ARCH_OF_PLATFORM[platform]
+    common_path = common_lock(recipe, arch)
+    if common_path not in scans:
+        return []
+    torch_pins = {o for t in recipe.targets.values() for o in t.overrides if split_pin(o)[0] == "torch"}
+    common = _by_name(scans[common_path])
+    problems = _expect_pin(common, f"{VLLM}=={recipe.vllm_version}", common_path)
+    for pin in (*recipe.cuda_toolkit, *recipe.cluster_packages, *torch_pins):
+        problems += _expect_pin(common, pin, common_path)
+    for target in recipe.targets.values():
+        path = target_lock(recipe, target, arch)
+        if not target.extras or platform not in target.platforms or path not in scans:
+            continue
+        full = _by_name(scans[path])
+        for name, locked in sorted(common.items()):
+            # hashes: _consistency_problems and _vllm_problems say which ones differ
+            if name not in full or full[name].version != locked.version:
+                problems.append(f"{path}: {name} differs from {common_path} (the extras lock must only add packages)")
+        for extra in target.extras:
+            problems += _expect_pin(full, extra.requirement, path)
     return problems
 
 
@@ -317,7 +323,7 @@ def online_problems(recipe: Recipe, root: Path = REPO_ROOT, paths: list[Path] | 
     scans = {path: scan_lock((root / path).read_text(), path)[0] for path in paths}
     names = sorted({pin.name for pins in scans.values() for pin in pins} | {VLLM})
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        listed = dict(zip(names, pool.map(lambda name: wheels.index_files(name, index_url), names)))
+        listed = dict(zip(names, pool.map(lambda name: wheels.index_files(name, index_url), names), strict=True))
     regenerate = _regenerate(recipe)
     problems = []
     vllm_files = {f.filename: f for f in listed[VLLM]}

@@ -75,8 +75,8 @@ def parse_via(text: str) -> dict[str, frozenset[str]]:
             continue
         if _VIA_OPEN.match(line):
             listing = True
-        elif one or (listing and more):
-            parent = (one or more).group(1).strip()
+        elif (found := one or (more if listing else None)) is not None:
+            parent = found.group(1).strip()
             if not parent.startswith("-"):
                 via[name].add(normalize(parent))
     return {n: frozenset(parents) for n, parents in via.items()}

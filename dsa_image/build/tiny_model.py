@@ -199,7 +199,7 @@ def iter_merges(corpus: str) -> Iterator[tuple[str, str]]:
     while True:
         pairs: Counter = Counter()
         for symbols, n in words.items():
-            for pair in zip(symbols, symbols[1:]):
+            for pair in zip(symbols, symbols[1:], strict=False):
                 pairs[pair] += n
         if not pairs:
             return

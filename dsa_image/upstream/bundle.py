@@ -43,14 +43,21 @@ def read_sdist(sdist: Path, version: str) -> tuple[UpstreamTree, dict[str, bytes
                 if rel is None:
                     continue
                 if rel in CONFIG_FILES:
-                    config[rel] = archive.extractfile(member).read()
+                    config[rel] = _member_bytes(archive, member, sdist)
                 elif rel.startswith(f"{TESTS}/") and rel.endswith(".py"):
-                    files[rel] = archive.extractfile(member).read()
+                    files[rel] = _member_bytes(archive, member, sdist)
     except (OSError, tarfile.TarError, EOFError) as exc:
         raise UpstreamTestsError(f"{sdist}: cannot read it as a gzip'd tar ({exc}); delete it to download again") from exc
     if f"{TESTS}/conftest.py" not in files:
         raise UpstreamTestsError(f"{sdist}: no {top}/{TESTS}/conftest.py: not a vLLM {version} sdist with its tests")
     return UpstreamTree(files), config
+
+
+def _member_bytes(archive: tarfile.TarFile, member: tarfile.TarInfo, sdist: Path) -> bytes:
+    data = archive.extractfile(member)
+    if data is None:  # never for the regular files _member_path passes; refused rather than assumed
+        raise UpstreamTestsError(f"{sdist}: {member.name} is not a regular file")
+    return data.read()
 
 
 def _member_path(member: tarfile.TarInfo, top: str) -> str | None:

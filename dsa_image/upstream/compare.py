@@ -39,7 +39,7 @@ def junit_outcomes(path: Path, test_file: str) -> dict[str, str]:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError) as exc:
         raise UpstreamTestsError(f"{path}: not junit XML ({exc})") from exc
-    outcomes = {}
+    outcomes: dict[str, str] = {}
     for case in root.iter("testcase"):
         kinds = {child.tag for child in case}
         outcome = FAILED if "failure" in kinds else ERROR if "error" in kinds else SKIPPED if "skipped" in kinds else PASSED
@@ -158,7 +158,7 @@ def compare_runs(out: Path, bundle: Bundle, files: list[str] | None = None) -> C
         raise UpstreamTestsError(f"{out}: the stock side must have no overlay receipt and the overlay side one")
     paths = sorted(p for p in selected if not files or p in files)
     compared = tuple(compare_file(p, stock["files"].get(p, {}), overlay["files"].get(p, {}), out) for p in paths)
-    return Comparison(versions.pop(), compared)
+    return Comparison(str(versions.pop()), compared)  # one version, not None: checked above
 
 
 def _cell(result: dict, counts: dict[str, int]) -> str:

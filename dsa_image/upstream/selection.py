@@ -60,7 +60,7 @@ class _ImportVisitor(ast.NodeVisitor):
         self.found: list[Import] = []
         self._optional = 0  # depth inside a function, an `if` or a try that catches ImportError
 
-    def _add(self, names: tuple[str, ...], level: int, node: ast.AST, optional: bool = False) -> None:
+    def _add(self, names: tuple[str, ...], level: int, node: ast.stmt | ast.expr, optional: bool = False) -> None:
         self.found.append(Import(names, level, node.lineno, not (self._optional or optional)))
 
     def _inside(self, node: ast.AST, optional: bool) -> None:
