@@ -118,11 +118,11 @@ def run(args) -> int:
         for line in overlay.check(args.recipe, manifest, overlay_dir):
             say(line)
     elif args.command == "apply":
-        written = overlay.apply(site, args.recipe, manifest, overlay_dir, receipt,
+        written = overlay.apply(required_site(site, "apply"), args.recipe, manifest, overlay_dir, receipt,
                                 lock_timeout=args.lock_timeout, report=say)
         say(f"applied {len(written['files'])} files over vLLM {written['vllm_version']} in {site}")
     elif args.command == "revert":
-        for line in overlay.revert(site, manifest, receipt, lock_timeout=args.lock_timeout, report=say):
+        for line in overlay.revert(required_site(site, "revert"), manifest, receipt, lock_timeout=args.lock_timeout, report=say):
             say(line)
     elif args.command == "verify":
         site = site or purelib_of(args.python)
@@ -133,6 +133,12 @@ def run(args) -> int:
     elif args.command == "record":
         record(args, manifest, overlay_dir)
     return overlay.OK
+
+
+def required_site(site: Path | None, command: str) -> Path:
+    if site is None:  # the parser requires it; a caller building the arguments by hand may not
+        raise overlay.OverlayError(overlay.BAD_INPUT, f"{command}: --site-packages DIR is required")
+    return site
 
 
 def record(args, manifest: Path, overlay_dir: Path) -> None:

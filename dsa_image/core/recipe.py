@@ -346,9 +346,9 @@ def _parse_sdist(entry: dict, version: str, where: str) -> Sdist:
 
 def _parse_extra(name: str, raw: dict, where: str) -> Extra:
     section = raw.get(name)
-    _check(isinstance(section, dict) and isinstance(section.get("version"), str),
-           f'{where}: extra {name!r} needs a [{name}] section with a version (shared, or in this base\'s '
-           f'[vllm."X".{name}])')
+    if not (isinstance(section, dict) and isinstance(section.get("version"), str)):
+        raise RecipeError(f'{where}: extra {name!r} needs a [{name}] section with a version (shared, or in this '
+                          f'base\'s [vllm."X".{name}])')
     override = section.get("torch_override")
     overrides = (override,) if override else ()
     for pin in overrides:

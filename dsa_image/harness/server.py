@@ -191,7 +191,9 @@ def answered(choice: dict, usage: dict | None = None) -> bool:
     token_ids = choice.get("token_ids")
     if token_ids is not None:
         return len(token_ids) > 0
-    return bool(usage) and int(usage.get("completion_tokens") or 0) > 0
+    if not usage:
+        return False
+    return int(usage.get("completion_tokens") or 0) > 0
 
 
 def _labelled(results: dict[str, list[dict]]):

@@ -245,13 +245,21 @@ def _install(t: txn.Transaction, site: Path, manifest: Manifest, contents: dict[
         for stale in stale_bytecode(source):
             if stale != cfile:
                 t.remove(stale)
-        t.put(cfile, checked_pyc(source, contents[entry.path]), mode=stat.S_IMODE(fs.lstat(site, source).st_mode) & 0o666)
+        t.put(cfile, checked_pyc(source, contents[entry.path]), mode=_bytecode_mode(site, source))
     for entry in manifest.files:
         installed = file_sha256(site / entry.path, site)
         if installed != entry.overlay_sha256:
             raise OverlayError(CANNOT_WRITE, f"{entry.path}: installed copy has sha256 {installed}, "
                                              f"expected {entry.overlay_sha256}")
     t.put(receipt_path, receipt)
+
+
+def _bytecode_mode(site: Path, source: Path) -> int:
+    """The mode of a source's bytecode: the source's own, without its execute bits."""
+    status = fs.lstat(site, source)
+    if status is None:  # this apply wrote it a moment ago: something else is changing the target
+        raise OverlayError(CANNOT_WRITE, f"{source}: gone right after it was written")
+    return stat.S_IMODE(status.st_mode) & 0o666
 
 
 # --- revert -----------------------------------------------------------------------------------
@@ -281,7 +289,8 @@ def revert(site: Path, manifest_path: Path, receipt_path: Path | None = None,
         originals, recorded_receipt, made_dirs = _originals(site, manifest)
         receipt = given or _recorded_receipt(site, recorded_receipt)
         receipt_ops = _revert_receipt(site, manifest, receipt, ours=given is None)
-        problems, notes = [], []
+        problems: list[str] = []
+        notes: list[str] = []
         ops = [op for e in manifest.files for op in _revert_entry(site, manifest, e, originals, problems, notes)]
         ops += receipt_ops
         if problems:

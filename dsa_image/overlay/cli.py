@@ -134,7 +134,7 @@ def diff(recipe_id: str, manifest_path: Path, overlay_dir: Path) -> str:
     recipe, manifest, _ = load_inputs(recipe_id, manifest_path)
     contents = read_overlay_files(manifest, overlay_dir)
     wheel = reference_wheel(recipe)
-    chunks = []
+    chunks: list[str] = []
     for entry in manifest.files:
         upstream = wheels.read_member(wheel, entry.path)
         old = upstream.decode().splitlines(keepends=True) if upstream is not None else []

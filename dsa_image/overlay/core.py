@@ -181,8 +181,8 @@ def expected_receipt(recipe_id: str, manifest: Manifest, manifest_raw: bytes) ->
 def predicted_receipt_sha256(recipe: Recipe, manifest: Path | None = None) -> str:
     """sha256 of the receipt an image of the recipe's base must carry (its label); `manifest`
     defaults to that base's overlay/vllm-<version>/manifest.json."""
-    manifest, manifest_raw = load_manifest(manifest or manifest_path(recipe.vllm_version))
-    return wheels.sha256_bytes(receipt_bytes(expected_receipt(recipe.id, manifest, manifest_raw)))
+    parsed, manifest_raw = load_manifest(manifest or manifest_path(recipe.vllm_version))
+    return wheels.sha256_bytes(receipt_bytes(expected_receipt(recipe.id, parsed, manifest_raw)))
 
 
 def receipt_bytes(receipt: dict) -> bytes:

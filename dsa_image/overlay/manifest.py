@@ -113,12 +113,15 @@ def check_path(path: str) -> str:
     return path
 
 
-def _sha(value, where: str, nullable: bool = False) -> str | None:
-    if value is None and nullable:
-        return None
+def _sha(value, where: str) -> str:
     if not isinstance(value, str) or not _SHA256.fullmatch(value):
         raise ManifestError(f"{where}: expected a sha256 (64 lower-case hex), found {value!r}")
     return value
+
+
+def _sha_or_none(value, where: str) -> str | None:
+    """A sha256, or None: the upstream sha256 of a file the overlay adds."""
+    return None if value is None else _sha(value, where)
 
 
 def parse_manifest(data: bytes, where: str = "manifest.json") -> Manifest:
@@ -162,7 +165,7 @@ def _parse_entry(item, where: str) -> Entry:
         raise ManifestError(f"{where}: {exc}") from None
     return Entry(
         path=path,
-        upstream_sha256=_sha(item["upstream_sha256"], f"{where}.upstream_sha256", nullable=True),
+        upstream_sha256=_sha_or_none(item["upstream_sha256"], f"{where}.upstream_sha256"),
         overlay_sha256=_sha(item["overlay_sha256"], f"{where}.overlay_sha256"),
         why=item["why"],
         changes=tuple(ids),
@@ -325,13 +328,13 @@ def check_changes(manifest: Manifest, where: str) -> None:
         if change.id not in used:
             raise ManifestError(f"{where}: change {change.id} is carried by no file")
         for anchor in change.anchors:
-            entry = manifest.entry(anchor.partition(":")[0])
-            if entry is None or change.id not in entry.changes or entry.new:
+            carrier = manifest.entry(anchor.partition(":")[0])
+            if carrier is None or change.id not in carrier.changes or carrier.new:
                 raise ManifestError(f"{where}: change {change.id}: anchor {anchor} must lie in an upstream file "
                                     "(not a new one) that carries the change")
         for name in change.introduces:
-            entry = manifest.entry(name.partition(":")[0])
-            if entry is None or change.id not in entry.changes:
+            carrier = manifest.entry(name.partition(":")[0])
+            if carrier is None or change.id not in carrier.changes:
                 raise ManifestError(f"{where}: change {change.id}: {name} must lie in a file that carries the change")
 
 

@@ -222,8 +222,10 @@ class Transaction:
             fs.unlink(self.site, slot.new)
         if data is not None:
             fs.write_new(self.site, slot.new, data, stat.S_IMODE(like.st_mode) if like else mode, owner)
-        else:
+        elif link is not None:
             fs.link(self.site, link, slot.new)
+        else:
+            raise TypeError(f"put {path}: neither data nor a link to put there")
         self._stash(slot)
         fs.replace(self.site, slot.new, path)
 
@@ -310,8 +312,15 @@ def _rel(path: Path, base: Path) -> str:
 
 
 def _slot(site: Path, txn_dir: Path, index: int, path: Path, existed: bool) -> Slot:
+    orig, new = _stash_names(site, txn_dir, index, path)
+    return Slot(path, orig if existed else None, new)
+
+
+def _stash_names(site: Path, txn_dir: Path, index: int, path: Path) -> tuple[Path, Path]:
+    """Where slot `index` keeps `path`'s original and stages its new content: in the
+    transaction directory, or (a receipt outside the site) beside the path."""
     base = txn_dir / str(index) if path.is_relative_to(site) else path.parent / f".{path.name}.vllm-overlay"
-    return Slot(path, base.with_name(base.name + ".orig") if existed else None, base.with_name(base.name + ".new"))
+    return base.with_name(base.name + ".orig"), base.with_name(base.name + ".new")
 
 
 def _path(site: Path, text, absolute: bool = False) -> Path:
@@ -335,11 +344,11 @@ def _slot_from(site: Path, txn_dir: Path, index: int, item, receipt: Path, scope
     path = _path(site, item["path"], absolute=True)
     if path != receipt and path not in scope.receipts and not scope.holds(path):
         raise ValueError(f"slots[{index}]: {path} is neither a file the manifest manages nor a receipt")
-    expected = _slot(site, txn_dir, index, path, existed=True)
-    if item["new"] != _rel(expected.new, txn_dir) or item["orig"] not in (None, _rel(expected.orig, txn_dir)):
+    orig, new = _stash_names(site, txn_dir, index, path)
+    if item["new"] != _rel(new, txn_dir) or item["orig"] not in (None, _rel(orig, txn_dir)):
         raise ValueError(f"slots[{index}]: stash names {item['orig']!r}, {item['new']!r} are not the ones "
                          f"this tool writes for {path}")
-    return Slot(path, expected.orig if item["orig"] else None, expected.new)
+    return Slot(path, orig if item["orig"] else None, new)
 
 
 def _is_dir(st: os.stat_result | None) -> bool:

@@ -60,11 +60,14 @@ def _places(name: str, inside: set[str | None], text: str) -> bool:
 
 
 def _definitions(wheel: Wheel, paths: list[str]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """Module-level names and class members (with the files defining them) of `paths`."""
+    """Module-level names and class members (with the files defining them) of those of
+    `paths` that `wheel` has."""
     module_level: dict[str, set[str]] = {}
     members: dict[str, set[str]] = {}
     for path in paths:
         source = wheel.source(path)
+        if source is None:
+            continue
         for name in source.module_names:
             module_level.setdefault(name, set()).add(path)
         for name in source.members:
@@ -81,7 +84,7 @@ def vanished_uses(merge: FileMerge, ours: Source, changes: list[Change], base: W
     scopes = []
     for wheel in (base, target):
         paths = [merge.path, *filter(None, (wheel.module_path(m) for m in modules))]
-        scopes.append(_definitions(wheel, [p for p in dict.fromkeys(paths) if wheel.has(p)]))
+        scopes.append(_definitions(wheel, list(dict.fromkeys(paths))))
     (base_mod, base_mem), (target_mod, target_mem) = scopes
     changed = {j: h for h in merge.hunks for j in range(*h.chunk.ours)}
     found: dict[str, dict] = {}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dsa_image.overlay import cli as overlay
 from dsa_image.core import wheels
-from dsa_image.overlay.manifest import Entry
+from dsa_image.overlay.manifest import Change, Entry, Manifest
 from dsa_image.core.recipe import DEFAULT_RECIPE, REPO_ROOT
 from dsa_image.rebase.changes import (Inputs, attribute, change_report, check_inputs, check_stock_target, run_tests,
                                       vanished_uses)
@@ -113,12 +113,23 @@ def rebase(inputs: Inputs, command: str, target_python: str | None = None,
     return build_report(inputs, command, merges, changes, outcomes is not None), merges
 
 
+def _changes_of(entry: Entry, manifest: Manifest) -> list[Change]:
+    """The changes an entry carries (parse_manifest has checked that each is defined)."""
+    changes = []
+    for change_id in entry.changes:
+        change = manifest.change(change_id)
+        if change is None:
+            raise RebaseError(overlay.BAD_INPUT, f"{entry.path}: names undefined change {change_id}")
+        changes.append(change)
+    return changes
+
+
 def _merge_and_place(entry: Entry, inputs: Inputs) -> FileMerge:
     """Merge one file, place its hunks in changes, and (Python, both sides there) find the
     names its hunks use that the target lost."""
     base, target = inputs.base, inputs.target
     merge = merge_entry(entry, inputs.ours[entry.path], base, target)
-    changes = [inputs.manifest.change(i) for i in entry.changes]
+    changes = _changes_of(entry, inputs.manifest)
     if not entry.path.endswith(".py"):
         attribute(merge, changes, None, None)
         return merge

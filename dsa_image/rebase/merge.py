@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 from dsa_image.overlay.manifest import Entry
-from dsa_image.rebase.symbols import Wheel
+from dsa_image.overlay.core import DRIFT
+from dsa_image.rebase.symbols import RebaseError, Wheel
 
 
 # --- 3-way merge ------------------------------------------------------------------------------
@@ -173,19 +174,30 @@ def merge_entry(entry: Entry, ours: str, base: Wheel, target: Wheel) -> FileMerg
     theirs = None if theirs_raw is None else theirs_raw.decode()
     if entry.new:
         return _merge_new(entry, ours, theirs, target.version)
-    base_text = base.read(entry.path).decode()
+    base_text = _base_text(entry, base)
     if theirs is None:
         return _merge_removed(entry, ours, base_text, target)
-    chunks = diff3_chunks(*(t.splitlines(keepends=True) for t in (base_text, ours, theirs)))
+    base_lines, our_lines, their_lines = (t.splitlines(keepends=True) for t in (base_text, ours, theirs))
+    chunks = diff3_chunks(base_lines, our_lines, their_lines)
     labels = (f"ours (overlay {entry.path})", f"base (vLLM {base.version})", f"theirs (vLLM {target.version})")
-    merged = render_merge(chunks, *(t.splitlines(keepends=True) for t in (base_text, ours, theirs)), labels)
-    hunks, region = [], 0
+    merged = render_merge(chunks, base_lines, our_lines, their_lines, labels)
+    hunks: list[Hunk] = []
+    region = 0
     for chunk in chunks:
         if chunk.kind in ("ours", "both", "conflict"):
             region += chunk.kind == "conflict"
             hunks.append(Hunk(len(hunks) + 1, chunk, region if chunk.kind == "conflict" else None))
     status = "conflict" if region else "merged-cleanly"
     return FileMerge(entry.path, status, entry.changes, base_text, ours, theirs, merged, hunks)
+
+
+def _base_text(entry: Entry, base: Wheel) -> str:
+    """The base release's copy of a file the overlay replaces (check_inputs has hashed it)."""
+    data = base.read(entry.path)
+    if data is None:
+        raise RebaseError(DRIFT, f"{entry.path}: {base.filename} has no such file, the manifest records "
+                                 f"upstream sha256 {entry.upstream_sha256}")
+    return data.decode()
 
 
 def _whole_file_hunk(ours: str, theirs: str | None) -> Hunk:

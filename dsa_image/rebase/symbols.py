@@ -83,9 +83,16 @@ def parse_source(text: str, where: str) -> Source:
     return source
 
 
-def _span(node: ast.AST) -> tuple[int, int]:
+def _span(node: ast.stmt) -> tuple[int, int]:
     first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
-    return first - 1, node.end_lineno
+    return first - 1, _end_line(node)
+
+
+def _end_line(node: ast.stmt | ast.expr) -> int:
+    """A node's last line (1-based): ast.parse sets it on every node; only one built by hand lacks it."""
+    if node.end_lineno is None:
+        raise RebaseError(overlay.BAD_INPUT, f"line {node.lineno}: a syntax node without an end line")
+    return node.end_lineno
 
 
 def _bind(body: list[ast.stmt], prefix: str, source: Source, in_class: bool) -> None:
@@ -97,15 +104,19 @@ def _bind(body: list[ast.stmt], prefix: str, source: Source, in_class: bool) -> 
         if isinstance(node, ast.ClassDef):
             _bind(node.body, f"{prefix}{node.name}.", source, in_class=True)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and in_class:
-            for sub in ast.walk(node):
-                for target in _assign_targets(sub):
-                    if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
-                            and target.value.id == "self"):
-                        source.symbols.setdefault(prefix + target.attr, _span(sub))
+            for attr, statement in _self_bindings(node):
+                source.symbols.setdefault(prefix + attr, _span(statement))
         elif isinstance(node, (ast.If, ast.Try, ast.With)):
             for block in (getattr(node, "body", []), getattr(node, "orelse", []), getattr(node, "finalbody", []),
                           *(h.body for h in getattr(node, "handlers", []))):
                 _bind(block, prefix, source, in_class)
+
+
+def _self_bindings(method: ast.FunctionDef | ast.AsyncFunctionDef) -> list[tuple[str, ast.stmt]]:
+    """(name, its statement) for each self.<name> a method assigns, at any depth."""
+    return [(target.attr, sub) for sub in ast.walk(method) if isinstance(sub, ast.stmt)
+            for target in _assign_targets(sub)
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"]
 
 
 def _assign_targets(node: ast.AST) -> list[ast.expr]:
@@ -130,9 +141,9 @@ def _mentioned(node: ast.AST) -> list[tuple[str, str, int]]:
         return [("name" if isinstance(node.ctx, ast.Load) else "bind", node.id, node.lineno - 1)]
     if isinstance(node, ast.Attribute):
         if not isinstance(node.ctx, ast.Load):
-            return [("bind", node.attr, node.end_lineno - 1)]
+            return [("bind", node.attr, _end_line(node) - 1)]
         on_self = isinstance(node.value, ast.Name) and node.value.id == "self"
-        return [("self-attr" if on_self else "attr", node.attr, node.end_lineno - 1)]
+        return [("self-attr" if on_self else "attr", node.attr, _end_line(node) - 1)]
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return [("bind", node.name, node.lineno - 1)]
     if isinstance(node, ast.arg):
@@ -200,7 +211,7 @@ class Wheel:
             self._definers = {}
             pattern = re.compile(rb"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
             for member in self.python_members():
-                for found in dict.fromkeys(pattern.findall(self.read(member))):
+                for found in dict.fromkeys(pattern.findall(self._archive.read(member))):
                     self._definers.setdefault(found.decode(), []).append(member)
         return self._definers.get(name, [])
 
@@ -227,6 +238,9 @@ def defined_elsewhere(name: str, path: str, target: Wheel, limit: int = 5) -> li
 def check_anchor(anchor: str, base: Wheel, target: Wheel) -> dict:
     path, _, name = anchor.partition(":")
     before, after = base.source(path), target.source(path)
+    if before is None:
+        raise RebaseError(overlay.BAD_INPUT, f"anchor {anchor}: vLLM {base.version} has no {path}; "
+                                             "anchors name upstream code the change touches (changes.toml)")
     kind = "symbol" if name in before.symbols else "identifier" if name in before.mentions else None
     if kind is None:
         raise RebaseError(overlay.BAD_INPUT, f"anchor {anchor}: vLLM {base.version} has no such name in {path}; "
@@ -263,19 +277,26 @@ def check_signature(signature: Signature, wheel: Wheel) -> dict:
     result = {"at": list(signature.at), "means": signature.means}
     for at in signature.at:
         path, _, name = at.partition(":")
-        if not wheel.has(path):
+        found = _text_at(wheel, path, name)
+        if found is None:
             continue
-        if name:
-            source = wheel.source(path)
-            if source is None or name not in source.symbols:
-                continue
-            span = source.symbols[name]
-            text, first = source.text(span), span[0]
-        else:
-            text, first = wheel.read(path).decode(), 0
+        text, first = found
         return {**result, **_match_signature(signature, at, path, text, first)}
     return {**result, "checked": None, "holds": False,
             "evidence": f"vLLM {wheel.version} has none of {', '.join(signature.at)}"}
+
+
+def _text_at(wheel: Wheel, path: str, name: str) -> tuple[str, int] | None:
+    """The text a signature's `at` names (symbol `name` of `path`, or without one the whole
+    file) and its first line (0-based); None when `wheel` has no such file or symbol."""
+    if name:
+        source = wheel.source(path)
+        if source is None or name not in source.symbols:
+            return None
+        span = source.symbols[name]
+        return source.text(span), span[0]
+    data = wheel.read(path)
+    return None if data is None else (data.decode(), 0)
 
 
 def _match_signature(signature: Signature, at: str, path: str, text: str, first: int) -> dict:

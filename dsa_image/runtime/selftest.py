@@ -162,22 +162,23 @@ def compare(case: Case, rows: list[int], logits, positions, ref_logits, magnitud
 
     scale = magnitude.where(magnitude.isfinite(), magnitude.new_zeros(())).amax(1).clamp_min(1e-30)
     valid = ref_logits.isfinite()
-    out = {"max_error": None, "problems": []}
+    max_error: float | None = None
+    problems: list[str] = []
     if logits is not None:
         got = logits[rows, : ref_logits.shape[1]].float()
         err = ((got - ref_logits).abs() / scale[:, None]).where(valid, got.new_zeros(()))
-        out["max_error"] = float(err.max())
-        if out["max_error"] > TOLERANCE:
-            out["problems"].append(f"logit error {out['max_error']:.2e} > {TOLERANCE:.2e}")
+        max_error = float(err.max())
+        if max_error > TOLERANCE:
+            problems.append(f"logit error {max_error:.2e} > {TOLERANCE:.2e}")
     wanted = ref.topk_positions(ref_logits, case.topk).cpu()
     shares = []
     for i, row in enumerate(rows):
         chosen = positions[row].cpu()
         shares.append(ref.agreement(chosen, wanted[i]))
         for problem in ref.selection_problems(chosen, ref_logits[i], case.topk, float(TOLERANCE * scale[i])):
-            out["problems"].append(f"row {row}: {problem}")
-    out["agreement"], out["min_agreement"] = statistics.fmean(shares), min(shares)
-    return out
+            problems.append(f"row {row}: {problem}")
+    return {"max_error": max_error, "problems": problems, "agreement": statistics.fmean(shares),
+            "min_agreement": min(shares)}
 
 
 # -- running ----------------------------------------------------------------------------------

@@ -40,8 +40,7 @@ def parse_spec_counters(text: str) -> dict | None:
             per_position[int(pos.group(1))] = per_position.get(int(pos.group(1)), 0.0) + value
     if not found:
         return None
-    totals["accepted_per_position"] = [per_position[p] for p in sorted(per_position)]
-    return totals
+    return {**totals, "accepted_per_position": [per_position[p] for p in sorted(per_position)]}
 
 
 def scrape_spec_counters(port: int, host: str = "127.0.0.1") -> dict | None:

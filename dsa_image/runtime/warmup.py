@@ -54,7 +54,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from dsa_image.runtime import serve_command
 from dsa_image.core.atomic import read_regular, write_atomic
@@ -435,7 +435,7 @@ def _warm_steps(endpoint: Endpoint, settings: Settings, log: Callable[[str], Non
                 at: list[str], cancelled: threading.Event) -> dict:
     model, max_model_len = served_model(endpoint, deadline)
     steps = plan_steps(max_model_len, settings.prefill, settings.concurrency)
-    report = {"model": model, "max_model_len": max_model_len, "steps": {}}
+    report: dict[str, Any] = {"model": model, "max_model_len": max_model_len, "steps": {}}
     at[0] = "GET /metrics"
     spec_before = spec_counters(endpoint, deadline)
     start = time.monotonic()
@@ -567,7 +567,12 @@ def forward_signals(child: subprocess.Popen, exited: threading.Event) -> Callabl
                 pass
 
     previous = {s: signal.signal(s, handler) for s in FORWARDED_SIGNALS}
-    return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+    def undo() -> None:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+    return undo
 
 
 def wait_for(child: subprocess.Popen) -> int:

@@ -112,8 +112,8 @@ def split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
 
 @dataclass(frozen=True)
 class Request:
-    recipe: ServeRecipe | None
-    target: str | None
+    recipe: ServeRecipe
+    target: str
     args: argparse.Namespace
     extra: list[str]
     build: Recipe
@@ -121,7 +121,7 @@ class Request:
 
 
 def parse_request(argv: list[str], prog: str, recipes_dir: Path, default_target: str | None,
-                  out: Callable[[str], None], default_vllm: str | None = None) -> Request | int:
+                  out: Callable[[str], object], default_vllm: str | None = None) -> Request | int:
     own, extra = split_extra(argv)
     parser = build_parser(prog)
     try:

@@ -18,7 +18,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from dsa_image.serving import memory_plan
 from dsa_image.serving.memory_plan import GPUS, SCHEMES
@@ -46,7 +46,7 @@ def memory_plan_of(recipe: ServeRecipe, target: str, build: Recipe) -> memory_pl
         vllm=build.vllm_version)
 
 
-def vllm_args(recipe: ServeRecipe, target: str, build: Recipe, extra: list[str] = ()) -> list[str]:
+def vllm_args(recipe: ServeRecipe, target: str, build: Recipe, extra: Sequence[str] = ()) -> list[str]:
     """`vllm serve` arguments (without `vllm serve`) common to every node."""
     vllm = recipe.vllm
     args = [recipe.hf_id]
@@ -162,7 +162,7 @@ def check_hosts(hosts: list[str]) -> None:
 
 
 def plan_launch(recipe: ServeRecipe, target: str, build: Recipe, *, hosts: list[str] | None, solo: bool,
-                extra: list[str] = (), repository: str = IMAGE_REPOSITORY, hf_cache: str = DEFAULT_HF_CACHE,
+                extra: Sequence[str] = (), repository: str = IMAGE_REPOSITORY, hf_cache: str = DEFAULT_HF_CACHE,
                 ifname: str | None = None) -> Launch:
     if not REPOSITORY.fullmatch(repository):
         raise RecipeFileError(f"--image {repository!r}: not an image repository (lower case, e.g. dsa-image or "
