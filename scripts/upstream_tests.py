@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     compare = commands.add_parser("compare", help="compare OUT/stock with OUT/overlay")
     compare.add_argument("out", type=Path)
     compare.add_argument("--bundle", type=Path, required=True,
-                         help="the bundle both sides ran: each file it selects counts, with or without results")
+                         help="the bundle both sides ran (its directory, or its bundle.json alone, as the image's "
+                              "exported results carry it): each file it selects counts, with or without results")
     compare.add_argument("--files", nargs="+", metavar="PATH", help="only these selected files (tests/...py)")
     compare.add_argument("--json", type=Path, help="also write the comparison as JSON")
     compare.set_defaults(run=cmd_compare)

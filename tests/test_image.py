@@ -63,7 +63,7 @@ def _upstream_gate(exported: Path, base) -> str:
     the overlay, some test passed on stock, and no test regressed (docs/upstream-tests.md)."""
     results = exported / "upstream-tests"
     summary = (results / "compare.txt").read_text()
-    comparison = upstream_tests.compare_runs(results)
+    comparison = upstream_tests.compare_runs(results, upstream_tests.load_bundle(results / "bundle.json"))
     assert comparison.vllm_version == base.vllm_version
     assert comparison.verdict == "ok" and summary.endswith("\n0 regressions\n"), summary
     selected = json.loads((results / "bundle.json").read_text())

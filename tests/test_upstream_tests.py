@@ -379,6 +379,18 @@ def test_a_selected_file_neither_side_reached_makes_the_comparison_incomplete(tm
     assert code == 0 and "tests/test_b.py" not in output, output
 
 
+def test_the_bundle_json_alone_as_exported_results_carry_it_is_enough_to_compare(tmp_path):
+    selecting(tmp_path, "tests/test_a.py", "tests/test_b.py")
+    results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed")]}, False)
+    results(tmp_path, "overlay", {"tests/test_a.py": [("ok", "passed")]}, True)
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    shutil.copy(tmp_path / "bundle" / "bundle.json", exported / "bundle.json")
+    done = subprocess.run([sys.executable, str(SCRIPT), "compare", str(tmp_path), "--bundle",
+                           str(exported / "bundle.json")], capture_output=True, text=True)
+    assert done.returncode == 3 and "tests/test_b.py [stock] not run" in done.stdout, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda out: results(out, "overlay", {}, True, bundle_sha="c" * 64), "come from different bundles"),
     (lambda out: [results(out, side, {}, side == "overlay", bundle_sha="c" * 64) for side in ut.SIDES],

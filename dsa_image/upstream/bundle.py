@@ -190,15 +190,13 @@ class Bundle:
 
 def load_bundle(root: Path) -> Bundle:
     """A bundle as `write_bundle` wrote it, every file re-hashed: one that changed, went missing or
-    was added is refused (a run's results must be of the files bundle.json names)."""
-    path = root / BUNDLE_FILE
-    try:
-        data = path.read_bytes()
-        doc = json.loads(data)
-    except (OSError, ValueError) as exc:
-        raise UpstreamTestsError(f"{path}: cannot read the bundle ({exc}); make one with "
-                                 "`python3 scripts/upstream_tests.py bundle --vllm X.Y.Z --out DIR`") from exc
-    _check_bundle_doc(doc, path)
+    was added is refused (a run's results must be of the files bundle.json names). `root` may
+    also be a bundle.json alone, as the image's exported results carry it: enough to compare
+    runs (which files were selected, which bundle the results name), not to run them."""
+    if root.is_file():
+        doc, data = _read_bundle_doc(root)
+        return Bundle(root.parent, doc, _sha256(data))
+    doc, data = _read_bundle_doc(root / BUNDLE_FILE)
     present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     present.discard(BUNDLE_FILE)
     listed = doc["files"]
@@ -210,6 +208,17 @@ def load_bundle(root: Path) -> Bundle:
         raise UpstreamTestsError(f"{root}: the bundle is not what was written: {'; '.join(problems[:5])}"
                                  f"{' ...' if len(problems) > 5 else ''}; make it again with `bundle`")
     return Bundle(root, doc, _sha256(data))
+
+
+def _read_bundle_doc(path: Path) -> tuple[dict, bytes]:
+    try:
+        data = path.read_bytes()
+        doc = json.loads(data)
+    except (OSError, ValueError) as exc:
+        raise UpstreamTestsError(f"{path}: cannot read the bundle ({exc}); make one with "
+                                 "`python3 scripts/upstream_tests.py bundle --vllm X.Y.Z --out DIR`") from exc
+    _check_bundle_doc(doc, path)
+    return doc, data
 
 
 def _check_bundle_doc(doc, where: Path) -> None:
