@@ -229,7 +229,7 @@ RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/ups
     --mount=type=tmpfs,target=/tmp \
     python -B /mnt/upstream/upstream-tool/scripts/upstream_tests.py run --side stock \
         --bundle /mnt/upstream/upstream-tests --out /opt/dsa-image/upstream-results \
-        --libs /opt/dsa-image/test-libs --timeout 600 || [[ $? -eq 3 ]]
+        --libs /opt/dsa-image/test-libs --timeout 600 --jobs 2 || [[ $? -eq 3 ]]
 
 # ---------------------------------------------------------------------------------------------
 # FlashInfer's JIT modules the served path builds at its first start (a cold H200 start spent
@@ -313,7 +313,7 @@ RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/ups
     --mount=type=tmpfs,target=/tmp \
     tool=/mnt/upstream/upstream-tool/scripts/upstream_tests.py; results=/opt/dsa-image/upstream-results; \
     python -B "${tool}" run --side overlay --bundle /mnt/upstream/upstream-tests --out "${results}" \
-        --libs /opt/dsa-image/test-libs --timeout 600 || [[ $? -eq 3 ]]; \
+        --libs /opt/dsa-image/test-libs --timeout 600 --jobs 2 || [[ $? -eq 3 ]]; \
     python -B "${tool}" compare "${results}" --bundle /mnt/upstream/upstream-tests --json "${results}/compare.json" | tee "${results}/compare.txt"
 
 # ---------------------------------------------------------------------------------------------
@@ -360,8 +360,11 @@ RUN mkdir -p /opt/dsa-image/test-results; \
 # Only the in-image test results, for bake target `test` to export (build/test-results/), and
 # the gate's (build/test-results/upstream-tests/: each side's run.json, junit and logs per file,
 # compare.txt, compare.json and the bundle's bundle.json: what was selected from which sdist).
-FROM scratch AS test-results
+FROM scratch AS test-results-local
 COPY --from=test /opt/dsa-image/test-results/ /
+
+# The same with the gate's results: bake target `test` (and test-<base>).
+FROM test-results-local AS test-results
 COPY --from=upstream-overlay /opt/dsa-image/upstream-results/ /upstream-tests/
 COPY --from=upstream-bundle /opt/dsa-image/upstream-tests/bundle.json /upstream-tests/
 
