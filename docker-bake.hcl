@@ -152,9 +152,9 @@ target "test" {
 }
 
 # A base's in-image tests without the gate of upstream's tests (test-local-<base>, results in
-# build/test-results-local-<base>/): what CI builds for every base but the default, whose gate
-# (about 40 minutes of a 2-core machine for vLLM 0.33.0's 21 files, more for 0.24.0's 39)
-# `test-<base>` runs when that base's overlay changes.
+# build/test-results-local-<base>/): what CI builds for every base but the default. Such a
+# base's gate (tens of minutes of a 2-core machine, more files than the default's) is
+# `test-<base>`, due when that base's overlay changes.
 target "base-test-local" {
   name     = "test-local-${base_name(vllm)}"
   matrix   = { vllm = VLLM_VERSIONS }

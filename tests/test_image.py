@@ -29,9 +29,9 @@ AFTER_OVERLAY = {"overlay", "test", "runtime"}
 
 
 def _run(client, image: str, *args: str, entrypoint: str | None = None,
-         environment: dict[str, str] | None = None) -> tuple[int, str]:
+         environment: dict[str, str] | None = None, volumes: dict | None = None) -> tuple[int, str]:
     container = client.containers.run(image, list(args), entrypoint=entrypoint, network_mode="host",
-                                      environment=environment, detach=True)
+                                      environment=environment, volumes=volumes, detach=True)
     try:
         code = container.wait(timeout=600)["StatusCode"]
         return code, container.logs().decode(errors="replace")
@@ -283,11 +283,16 @@ def test_healthcheck_follows_the_port_served(docker_client, runtime_image):
         container.remove(force=True)
 
 
+# The generator is build code, which the runtime image does not carry: mounted from this checkout.
+GENERATOR = "/tmp/dsa-image-generator"
+GENERATOR_MOUNT = {str(REPO_ROOT / "dsa_image"): {"bind": f"{GENERATOR}/dsa_image", "mode": "ro"}}
+
+
 def test_built_in_model_is_exactly_what_the_generator_writes(docker_client, runtime_image):
     check = ("from pathlib import Path; from dsa_image.build.tiny_model import model_dir_differences; "
              f"d = model_dir_differences(Path({RECIPE.serving['default_model']!r})); print(d or 'identical')")
-    code, out = _run(docker_client, runtime_image, "-c", check,
-                     entrypoint="/usr/bin/env PYTHONPATH=/opt/dsa-image/tool /opt/venv/bin/python")
+    code, out = _run(docker_client, runtime_image, "-c", check, volumes=GENERATOR_MOUNT,
+                     entrypoint=f"/usr/bin/env PYTHONPATH={GENERATOR} PYTHONDONTWRITEBYTECODE=1 /opt/venv/bin/python")
     assert code == 0 and out.strip().endswith("identical"), out
 
 

@@ -489,10 +489,12 @@ sys.exit(1 if differences or len(tokenizer) != CONFIG["vocab_size"] else 0)
 def test_the_image_carries_the_generators_tiny_model(docker_client, runtime_image):
     """The built-in model is byte-for-byte what the generator writes, and the image's own
     transformers (the one vLLM uses) loads it offline with vocab_size tokens."""
+    generator = "/tmp/dsa-image-generator"  # build code the runtime image does not carry: this checkout's
     output = docker_client.containers.run(
-        runtime_image, entrypoint=["/opt/venv/bin/python", "-c", IN_IMAGE_MODEL_CHECK,
+        runtime_image, entrypoint=["/opt/venv/bin/python", "-B", "-c", IN_IMAGE_MODEL_CHECK,
                                    RECIPE.serving["default_model"]],
-        environment={"PYTHONPATH": "/opt/dsa-image/tool", "HF_HUB_OFFLINE": "1"}, network_mode="host",
+        volumes={str(REPO / "dsa_image"): {"bind": f"{generator}/dsa_image", "mode": "ro"}},
+        environment={"PYTHONPATH": generator, "HF_HUB_OFFLINE": "1"}, network_mode="host",
         labels={SMOKE_LABEL: "tiny-model-check"}, remove=True, stderr=True).decode()
     assert "differences=[] model_type=glm_moe_dsa tokens=1024" in output, output
 
