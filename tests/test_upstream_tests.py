@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -547,12 +546,10 @@ def test_a_bundle_of_the_pinned_sdist_is_small_and_carries_its_packages(tmp_path
 def test_the_bundle_stage_copies_every_module_of_ours_the_tool_imports():
     """The upstream-bundle stage copies the tool module by module (its cache then follows only
     them); the runs bind-mount that copy. A module missing there fails only the image build."""
-    from test_image_tree import closure
+    from test_image_tree import closure, copied
 
-    needed = {str(f.relative_to(REPO_ROOT)) for f in closure({SCRIPT})} - {"scripts/upstream_tests.py"}
     stage = (REPO_ROOT / "Dockerfile").read_text().split("FROM base AS upstream-bundle\n", 1)[1].split("\nFROM ", 1)[0]
-    copied = set(re.findall(r"(dsa_image/[\w/]+\.py)", stage))
-    copied |= {str(f.relative_to(REPO_ROOT)) for d in re.findall(r"COPY (dsa_image/\w+)/ ", stage)
-               for f in (REPO_ROOT / d).glob("*.py")}
-    assert needed <= copied, sorted(needed - copied)
+    files, _ = copied(stage)
+    needed = closure({SCRIPT}) - {SCRIPT}
+    assert needed <= files, sorted(str(p.relative_to(REPO_ROOT)) for p in needed - files)
     assert "scripts/upstream_tests.py" in stage
