@@ -150,6 +150,7 @@ RUN --mount=type=bind,source=dsa_image/__init__.py,target=/tmp/dsa-image/tool/ds
 # ---------------------------------------------------------------------------------------------
 FROM base AS tiny-model
 COPY dsa_image/__init__.py /tmp/dsa-image/tool/dsa_image/
+COPY dsa_image/core/__init__.py dsa_image/core/status.py /tmp/dsa-image/tool/dsa_image/core/
 COPY dsa_image/build/__init__.py dsa_image/build/tiny_model.py /tmp/dsa-image/tool/dsa_image/build/
 COPY scripts/make_tiny_model.py /tmp/dsa-image/tool/scripts/
 RUN python -B /tmp/dsa-image/tool/scripts/make_tiny_model.py /tiny-glm5
@@ -166,7 +167,7 @@ FROM extras AS model-info
 ARG BUILDPLATFORM
 ARG TARGETPLATFORM
 COPY dsa_image/__init__.py /tmp/dsa-image/tool/dsa_image/
-COPY dsa_image/core/__init__.py dsa_image/core/compile_caches.py /tmp/dsa-image/tool/dsa_image/core/
+COPY dsa_image/core/__init__.py dsa_image/core/compile_caches.py dsa_image/core/status.py /tmp/dsa-image/tool/dsa_image/core/
 COPY dsa_image/build/__init__.py dsa_image/build/model_info_cache.py /tmp/dsa-image/tool/dsa_image/build/
 COPY --from=tiny-model /tiny-glm5 /tmp/dsa-image/tiny-glm5
 RUN if [[ "${BUILDPLATFORM}" != "${TARGETPLATFORM}" ]]; then \
@@ -202,7 +203,7 @@ ARG RECIPE
 ARG VLLM_VERSION
 COPY dsa_image/__init__.py /opt/dsa-image/upstream-tool/dsa_image/
 COPY dsa_image/core/__init__.py dsa_image/core/atomic.py dsa_image/core/dist_info.py dsa_image/core/recipe.py \
-     dsa_image/core/site_path.py dsa_image/core/wheels.py /opt/dsa-image/upstream-tool/dsa_image/core/
+     dsa_image/core/site_path.py dsa_image/core/status.py dsa_image/core/wheels.py /opt/dsa-image/upstream-tool/dsa_image/core/
 COPY dsa_image/build/__init__.py dsa_image/build/lock.py dsa_image/build/lock_parse.py dsa_image/build/registry.py /opt/dsa-image/upstream-tool/dsa_image/build/
 COPY dsa_image/overlay/__init__.py dsa_image/overlay/manifest.py dsa_image/overlay/fs.py dsa_image/overlay/core.py /opt/dsa-image/upstream-tool/dsa_image/overlay/
 COPY dsa_image/upstream/ /opt/dsa-image/upstream-tool/dsa_image/upstream/
@@ -221,7 +222,7 @@ RUN --mount=type=cache,id=dsa-image-downloads,target=/root/.cache/dsa-image \
 # to, so a stage FROM it runs upstream's tests against stock with no second install (and no
 # revert of the overlay: each side's site is a build stage of its own, and the stock run is
 # cached while only the overlay changes). Each selected file in its own pytest, junit per file.
-# Exit 3 (a file timed out, crashed or could not run) is left to the comparison to report.
+# Exit 8 (incomplete: a file timed out, crashed or could not run) is left to the comparison to report.
 # What the tests write to /tmp stays out of the layer (a tmpfs).
 FROM extras AS upstream-stock
 RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/upstream,rw \
@@ -229,7 +230,7 @@ RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/ups
     --mount=type=tmpfs,target=/tmp \
     python -B /mnt/upstream/upstream-tool/scripts/upstream_tests.py run --side stock \
         --bundle /mnt/upstream/upstream-tests --out /opt/dsa-image/upstream-results \
-        --libs /opt/dsa-image/test-libs --timeout 600 --jobs 2 || [[ $? -eq 3 ]]
+        --libs /opt/dsa-image/test-libs --timeout 600 --jobs 2 || [[ $? -eq 8 ]]
 
 # ---------------------------------------------------------------------------------------------
 # FlashInfer's JIT modules the served path builds at its first start (a cold H200 start spent
@@ -247,7 +248,8 @@ ARG TARGETPLATFORM
 ARG CUDA_ARCH_LIST
 COPY dsa_image/__init__.py /tmp/dsa-image/tool/dsa_image/
 COPY dsa_image/build/__init__.py dsa_image/build/precompile.py dsa_image/build/arch_check.py /tmp/dsa-image/tool/dsa_image/build/
-COPY dsa_image/core/__init__.py dsa_image/core/dist_info.py dsa_image/core/atomic.py dsa_image/core/wheels.py /tmp/dsa-image/tool/dsa_image/core/
+COPY dsa_image/core/__init__.py dsa_image/core/dist_info.py dsa_image/core/atomic.py dsa_image/core/status.py \
+     dsa_image/core/wheels.py /tmp/dsa-image/tool/dsa_image/core/
 RUN [[ -n "${CUDA_ARCH_LIST}" ]] || { echo "CUDA_ARCH_LIST empty: build with 'docker buildx bake'" >&2; exit 1; }; \
     mkdir -p /home/vllm/.cache/flashinfer; cd /tmp; \
     if [[ "${BUILDPLATFORM}" != "${TARGETPLATFORM}" ]]; then \
@@ -277,7 +279,7 @@ ENV DSA_IMAGE_TOOL=/opt/dsa-image/tool \
 # build, benchmark, smoke or validation code in a user's image.
 COPY dsa_image/__init__.py ${DSA_IMAGE_TOOL}/dsa_image/
 COPY dsa_image/core/__init__.py dsa_image/core/atomic.py dsa_image/core/dist_info.py dsa_image/core/recipe.py \
-     dsa_image/core/wheels.py ${DSA_IMAGE_TOOL}/dsa_image/core/
+     dsa_image/core/status.py dsa_image/core/wheels.py ${DSA_IMAGE_TOOL}/dsa_image/core/
 COPY dsa_image/build/__init__.py dsa_image/build/bake.py ${DSA_IMAGE_TOOL}/dsa_image/build/
 COPY dsa_image/overlay/ ${DSA_IMAGE_TOOL}/dsa_image/overlay/
 COPY dsa_image/rebase/ ${DSA_IMAGE_TOOL}/dsa_image/rebase/
@@ -313,7 +315,7 @@ RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/ups
     --mount=type=tmpfs,target=/tmp \
     tool=/mnt/upstream/upstream-tool/scripts/upstream_tests.py; results=/opt/dsa-image/upstream-results; \
     python -B "${tool}" run --side overlay --bundle /mnt/upstream/upstream-tests --out "${results}" \
-        --libs /opt/dsa-image/test-libs --timeout 600 --jobs 2 || [[ $? -eq 3 ]]; \
+        --libs /opt/dsa-image/test-libs --timeout 600 --jobs 2 || [[ $? -eq 8 ]]; \
     python -B "${tool}" compare "${results}" --bundle /mnt/upstream/upstream-tests --json "${results}/compare.json" | tee "${results}/compare.txt"
 
 # ---------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ repository and mypy over dsa_image/ and scripts/, both configured in pyproject.t
 
     python3 scripts/lint.py
 
-Prepares .venv from recipes/locks/dev.txt as scripts/test.py does. Exit codes: 0 both clean;
-1 either found a problem (each printed); 3 the environment could not be prepared.
+Prepares .venv from recipes/locks/dev.txt as scripts/test.py does. Exit codes
+(dsa_image/core/status.py): 0 both clean; 1 either found a problem (each printed); 4
+(ENVIRONMENT) the environment could not be prepared.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def main() -> int:
     failed = [gate[0] for gate in GATES
               if subprocess.run([str(python), "-m", *gate], cwd=test.REPO_ROOT).returncode != 0]
     print(f"lint.py: {'failed: ' + ', '.join(failed) if failed else 'ruff and mypy clean'}", file=sys.stderr)
-    return 1 if failed else 0
+    return test.status.FAILED if failed else test.status.SUCCESS
 
 
 if __name__ == "__main__":

@@ -43,31 +43,6 @@ apply, revert and verify lock DIR (flock on the directory): a second one waits u
 --lock-timeout seconds (default 120), then exits 4. A run killed outright (SIGKILL) leaves
 DIR/.vllm_overlay_txn; the next apply or revert finishes or rolls it back first, verify
 exits 1 saying so. docs/overlay.md has the details.
-
-exit codes:
-  0  ok
-  1  verification mismatch: an installed file or the receipt differs from what apply wrote
-     (tampered receipt, file changed afterwards, another recipe), a module is imported from
-     elsewhere, through another finder or loader, or runs code not compiled from its file, a
-     FIFO at a bytecode path, a killed run left its journal or something not a directory is
-     at DIR/.vllm_overlay_txn
-  2  bad usage or input: unknown recipe, malformed or too deeply nested manifest or receipt
-     (an integer of more than 4300 digits too), a path with a NUL byte, missing or unrecorded
-     overlay file, overlay file changed without `record`, no vLLM or no directory at
-     --site-packages, a --python that cannot run, a --receipt inside vllm/ or naming a file that
-     is not a receipt; rebase: an --out whose base/ours/theirs/merged a rebase did not write
-  3  upstream drift: the installed (or pinned) vLLM is not the one the overlay was made for,
-     or (revert) a file is neither upstream nor the overlay's; nothing was changed
-  4  cannot write: read-only target, a failed write, or the lock still busy after
-     --lock-timeout; or refused: something not our directory at DIR/.vllm_overlay_txn or
-     DIR/.vllm_overlay_originals (a FIFO, file, symlink, another user's directory), a symlink
-     on the way to a managed file, a journal or index this tool did not write or naming a
-     receipt the command does not; every file was restored, unless the message says RESTORE
-     FAILED: it then names each file, where its original is kept, and the revert command
-     that finishes it
-  5  rebase: the merge left conflicts (the report shows both sides); nothing was recorded
-  SIGINT/SIGTERM/SIGHUP during apply or revert: every file is restored, then the tool exits
-  by that signal (128+N in a shell)
 """
 
 from __future__ import annotations
@@ -82,12 +57,37 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsa_image.build import bake
+from dsa_image.core import status
 from dsa_image.overlay import cli as overlay
 from dsa_image.rebase import cli as rebase
 from dsa_image.core.recipe import DEFAULT_RECIPE, REPO_ROOT, load_recipe  # noqa: E402
 
 # The image sets it to the base it was built on: verify there checks that base's overlay.
 IMAGE_VLLM_ENV = "DSA_IMAGE_VLLM"
+EXIT_CODES = status.epilog(
+    (overlay.OK, "ok"),
+    (overlay.MISMATCH, "verification mismatch: an installed file or the receipt differs from what apply wrote "
+                       "(tampered receipt, file changed afterwards, another recipe), a module is imported from "
+                       "elsewhere, through another finder or loader, or runs code not compiled from its file, a FIFO "
+                       "at a bytecode path, a killed run left its journal or something not a directory is at "
+                       "DIR/.vllm_overlay_txn"),
+    (overlay.BAD_INPUT, "bad usage or input: unknown recipe, malformed or too deeply nested manifest or receipt (an "
+                        "integer of more than 4300 digits too), a path with a NUL byte, missing or unrecorded overlay "
+                        "file, overlay file changed without `record`, no vLLM or no directory at --site-packages, a "
+                        "--python that cannot run, a --receipt inside vllm/ or naming a file that is not a receipt; "
+                        "rebase: an --out whose base/ours/theirs/merged a rebase did not write"),
+    (overlay.DRIFT, "upstream drift: the installed (or pinned) vLLM is not the one the overlay was made for, or "
+                    "(revert) a file is neither upstream nor the overlay's; nothing was changed"),
+    (overlay.CANNOT_WRITE, "cannot write: read-only target, a failed write, or the lock still busy after "
+                           "--lock-timeout; or refused: something not our directory at DIR/.vllm_overlay_txn or "
+                           "DIR/.vllm_overlay_originals (a FIFO, file, symlink, another user's directory), a symlink "
+                           "on the way to a managed file, a journal or index this tool did not write or naming a "
+                           "receipt the command does not; every file was restored, unless the message says RESTORE "
+                           "FAILED: it then names each file, where its original is kept, and the revert command that "
+                           "finishes it"),
+    (overlay.CONFLICT, "rebase: the merge left conflicts (the report shows both sides); nothing was recorded"),
+    notes=("SIGINT/SIGTERM/SIGHUP during apply or revert: every file is restored, then the tool exits by that "
+           "signal (128+N in a shell)",))
 
 
 def say(message: str) -> None:
@@ -157,7 +157,7 @@ def record(args, manifest: Path, overlay_dir: Path) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    main = argparse.ArgumentParser(prog="scripts/overlay.py", description=__doc__,
+    main = argparse.ArgumentParser(prog="scripts/overlay.py", description=__doc__, epilog=EXIT_CODES,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     main.add_argument("--manifest", help="default: overlay/vllm-VERSION/manifest.json of this repo")
     main.add_argument("--overlay-dir", help="default: overlay/vllm-VERSION/ of this repo")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except overlay.OverlayError as exc:
         say(f"error: {exc}")
-        return exc.code
+        return exc.exit_code
     except overlay.Interrupted as exc:
         say(f"error: {exc}")
         return die_by(exc.signum)
@@ -216,7 +216,7 @@ def die_by(signum: int) -> int:
     caller (a shell, make, docker build) then sees it was interrupted, not that it failed."""
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
-    return 128 + signum
+    return status.killed_by(signum)
 
 
 if __name__ == "__main__":

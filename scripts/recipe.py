@@ -26,12 +26,6 @@ commands:
                  wheel (and sdist) sha256 the one it lists for that file, and each bug's source patterns
                  in the pinned wheel (downloaded once into ~/.cache/dsa-image) must give its
                  recorded verdict
-
-exit codes:
-  0  ok
-  1  check: a generated file drifted from the recipe (or from the index, with --online)
-  2  bad usage or bad recipe (unknown recipe, target or key; malformed recipe)
-  3  lock, check --online: a download, the index or the resolver failed (its message is printed)
 """
 
 from __future__ import annotations
@@ -43,12 +37,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsa_image.build import bake, bug_check, lock, lock_check
-from dsa_image.core import wheels
+from dsa_image.core import status, wheels
 from dsa_image.overlay.manifest import ManifestError  # noqa: E402
 from dsa_image.core.recipe import DEFAULT_RECIPE, REPO_ROOT, RecipeError, format_value, load_recipe  # noqa: E402
 from dsa_image.build.registry import RegistryError  # noqa: E402
 
-OK, DRIFT, BAD_INPUT, LOCK_FAILED = 0, 1, 2, 3
+OK, DRIFT, BAD_INPUT, LOCK_FAILED = status.SUCCESS, status.DRIFT, status.USAGE, status.ENVIRONMENT
+EXIT_CODES = status.epilog(
+    (OK, "ok"),
+    (BAD_INPUT, "bad usage or bad recipe (unknown recipe, target or key; malformed recipe)"),
+    (DRIFT, "check, lock: a generated file or lock drifted from the recipe (or from the index, with --online)"),
+    (LOCK_FAILED, "lock, check --online: a download, the index or the resolver failed (its message is printed)"))
 
 
 def say(message: str) -> None:
@@ -122,8 +121,8 @@ def cmd_lock(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="scripts/recipe.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+        prog="scripts/recipe.py", description=__doc__, epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"recipe id (default {DEFAULT_RECIPE})")
     commands = parser.add_subparsers(dest="command", required=True)
     base = argparse.ArgumentParser(add_help=False)

@@ -16,7 +16,7 @@ Environment: DSA_IMAGE_REQUIRE_DOCKER=1 turns skipped Docker tests into failures
 DSA_IMAGE_BASE_IMAGE=NAME builds on that base image instead (never replaced by another).
 
 Exit codes: pytest's (0 all passed; 5 "no tests collected" is a failure too, like any
-non-zero); 3 the environment could not be prepared.
+non-zero); 4 (ENVIRONMENT, dsa_image/core/status.py) the environment could not be prepared.
 """
 
 from __future__ import annotations
@@ -28,11 +28,16 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+# Stdlib only, like this script: it runs before any virtual environment exists.
+from dsa_image.core import status  # noqa: E402
+
 VENV = REPO_ROOT / ".venv"
 DEV_LOCK = REPO_ROOT / "recipes" / "locks" / "dev.txt"
 STAMP = VENV / ".dsa-image-dev-lock.sha256"
 SYSTEM_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
-SETUP_FAILED = 3
+SETUP_FAILED = status.ENVIRONMENT
 
 
 def run(command: list[str]) -> None:

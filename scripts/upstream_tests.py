@@ -24,16 +24,6 @@ the tests; `--site` is a `pip install --target` directory put first on PYTHONPAT
 /tmp/site-stock-X.Y.Z); `--libs` are appended to sys.path after the site's packages (the image's
 test runner). The stock side must have no overlay receipt in its site, the overlay side must.
 Details: docs/upstream-tests.md.
-
-exit codes:
-  0  ok: no regression, every selected file ran on both sides (run: every file ran)
-  1  regressions (listed)
-  2  bad usage or input: unknown base, a bundle that changed since it was written, a site whose
-     vLLM is not the bundle's base or is on the wrong side, results of another bundle or site
-  3  incomplete, no regression: some selected file has no result on a side (not run yet after
-     --deadline-s, timed out, crashed, or not runnable: a module its collection imports is
-     missing), each listed with the reason; or no test passed on stock (nothing was compared)
-  4  the pinned sdist or the lock's packages could not be fetched or did not match their sha256
 """
 
 from __future__ import annotations
@@ -47,12 +37,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsa_image.build import lock
 from dsa_image.upstream import gate as ut
-from dsa_image.core import wheels
+from dsa_image.core import status, wheels
 from dsa_image.overlay.manifest import ManifestError, load_manifest  # noqa: E402
 from dsa_image.overlay.core import manifest_path  # noqa: E402
 from dsa_image.core.recipe import DEFAULT_RECIPE, REPO_ROOT, RecipeError, load_recipe  # noqa: E402
 
-OK, REGRESSIONS, BAD_INPUT, INCOMPLETE, FETCH_FAILED = 0, 1, 2, 3, 4
+OK, REGRESSIONS, BAD_INPUT, FETCH_FAILED, INCOMPLETE = (status.SUCCESS, status.FAILED, status.USAGE,
+                                                      status.ENVIRONMENT, status.INCOMPLETE)
+EXIT_CODES = status.epilog(
+    (OK, "ok: no regression, every selected file ran on both sides (run: every file ran)"),
+    (REGRESSIONS, "regressions (listed)"),
+    (BAD_INPUT, "bad usage or input: unknown base, a bundle that changed since it was written, a site whose vLLM "
+                "is not the bundle's base or is on the wrong side, results of another bundle or site"),
+    (FETCH_FAILED, "the pinned sdist or the lock's packages could not be fetched or did not match their sha256"),
+    (INCOMPLETE, "incomplete, no regression: some selected file has no result on a side (not run yet after "
+                 "--deadline-s, timed out, crashed, or not runnable: a module its collection imports is missing), "
+                 "each listed with the reason; or no test passed on stock (nothing was compared)"))
 
 
 def say(message: str) -> None:
@@ -147,7 +147,7 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/upstream_tests.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="scripts/upstream_tests.py", description=__doc__, epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"recipe id (default {DEFAULT_RECIPE})")
     commands = parser.add_subparsers(dest="command", required=True)

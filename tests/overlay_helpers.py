@@ -114,7 +114,7 @@ def syscall_path(path, dir_fd: int | None = None) -> Path:
 def expect_error(code: int, fn, *args, **kwargs) -> str:
     with pytest.raises(overlay.OverlayError) as caught:
         fn(*args, **kwargs)
-    assert caught.value.code == code, str(caught.value)
+    assert caught.value.exit_code == code, str(caught.value)
     return str(caught.value)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dsa_image.bench import paired as bench
+from dsa_image.core import status
 from dsa_image.core.recipe import load_recipe
 from dsa_image.validation import phases, runner, session, stage
 from test_h200_stage import wheel
@@ -206,7 +207,7 @@ def test_install_after_a_receive_that_left_parts_to_come_is_refused_saying_how_m
     t = Transfer(tmp_path)
     done = t.carry(t.parts.paths[0].name, "SHA256SUMS", "selection.txt", then=("install", "serve"))
     total = len(t.parts.paths)
-    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.returncode == status.REFUSED, done.stdout + done.stderr
     assert f"1 of {total} parts here" in done.stderr and "carry the missing ones (the receive phase)" in done.stderr
     lines = (tmp_path / "out" / "session.jsonl").read_text().splitlines()
     record = {r["phase"]: r for r in json.loads(lines[-1])["phases"]}
@@ -236,7 +237,7 @@ def test_a_phase_that_needs_more_than_is_left_is_not_reached_and_said_so(tmp_pat
     t.carry(*(p.name for p in t.parts.paths), "SHA256SUMS", "selection.txt")
     done = run_script("--vllm", "0.33.0", "--work-root", str(t.work), "--out", str(tmp_path / "out"),
                       "--deadline-s", "100", "receive", "install", "realwidth-equiv", script=t.script)
-    assert done.returncode == 4, done.stdout + done.stderr
+    assert done.returncode == status.INCOMPLETE, done.stdout + done.stderr
     assert re.search(r"install +not reached: needs 270 s, \d+ s were left before the deadline", done.stdout)
     assert re.search(r"realwidth-equiv +not reached: after install, not reached", done.stdout)
     assert not (t.work / "wheels-0.33.0").exists()  # nothing of install started
@@ -258,7 +259,7 @@ def test_a_harness_running_at_the_deadline_is_interrupted_and_stops_what_it_star
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-c", session, str(tmp_path), child], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 124, done.stdout + done.stderr
+    assert done.returncode == status.TIMED_OUT, done.stdout + done.stderr
     assert time.monotonic() - t0 < 30  # stopped by SIGINT, not by the SIGKILL 60 s after it
     assert marker.read_text() == "servers stopped"  # SIGINT: its finally blocks ran
 
@@ -287,7 +288,7 @@ def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 ])
 def test_the_bench_phase_refuses_a_build_not_installed_here_before_anything_runs(tmp_path, args, named):
     done = _bench(tmp_path, *args)
-    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.returncode == status.REFUSED, done.stdout + done.stderr
     assert f"bench: {named}: expected stock-X.Y.Z or overlay-X.Y.Z of a base installed here" in done.stderr
     assert "gpu_validation.py --vllm X.Y.Z sites` (or prepare) first" in done.stderr
     assert not (tmp_path / "results" / "environment.txt").exists()
@@ -373,7 +374,7 @@ def fake_sites(root: Path, base: str = "0.33.0") -> None:
 
 
 # Stands in for scripts/upstream_tests.py in the device's copy: says what it was given, and that
-# files are left (its exit 3).
+# files are left (its exit INCOMPLETE, 8).
 FAKE_GATE = """import json, sys
 from pathlib import Path
 args = sys.argv[1:]
@@ -381,7 +382,7 @@ out = Path(args[args.index("--out") + 1])
 (out / "args.json").write_text(json.dumps(args))
 print("2 of 21 files ran on both sides; 19 left")
 print("resume in the next call", file=sys.stderr)
-sys.exit(3)
+sys.exit(8)
 """
 
 
@@ -391,11 +392,11 @@ def test_the_upstream_phase_leaves_what_is_left_to_the_next_call_and_says_so(tmp
     fake_sites(tmp_path / "root")
     script = repo / "scripts" / "gpu_validation.py"
     done = run_script("--vllm", "0.33.0", *roots(tmp_path), "upstream", script=script)
-    assert done.returncode == 3 and "upstream: expected the bundle" in done.stderr  # not made, not carried
+    assert done.returncode == status.REFUSED and "upstream: expected the bundle" in done.stderr  # not made, not carried
     (repo / "build" / "upstream-tests-0.33.0").mkdir(parents=True)
     done = run_script("--vllm", "0.33.0", *roots(tmp_path), "--deadline-s", "300", "upstream", script=script)
-    assert done.returncode == 4, done.stdout + done.stderr
-    assert "upstream exit: 3" in done.stdout and "19 left" in done.stdout and "upstream             incomplete" in done.stdout
+    assert done.returncode == status.INCOMPLETE, done.stdout + done.stderr
+    assert f"upstream exit: {status.INCOMPLETE}" in done.stdout and "19 left" in done.stdout and "upstream             incomplete" in done.stdout
     args = json.loads((tmp_path / "results" / "upstream-tests" / "args.json").read_text())
     deadline, timeout = (float(args[args.index(k) + 1]) for k in ("--deadline-s", "--timeout"))
     assert deadline + timeout <= 300 - runner.MARGIN_S and deadline / timeout == pytest.approx(120 / 420, rel=0.05)
@@ -408,7 +409,7 @@ def test_the_upstream_phase_leaves_what_is_left_to_the_next_call_and_says_so(tmp
 
 def test_the_cluster_phase_refuses_to_run_without_its_inputs(tmp_path):
     done = run_script(*roots(tmp_path), "--cluster-layouts", "mp-tp2", "cluster")
-    assert done.returncode == 3
+    assert done.returncode == status.REFUSED
     assert "cluster: expected" in done.stderr and "run the prepare phase first" in done.stderr
     done = run_script(*roots(tmp_path), "cluster")
     assert done.returncode == 2 and "cluster: expected --cluster-layouts" in done.stderr
@@ -417,6 +418,6 @@ def test_the_cluster_phase_refuses_to_run_without_its_inputs(tmp_path):
 @pytest.mark.parametrize("phase", ["serve", "mtp", "realwidth-equiv", "realwidth-warmstart", "selftest"])
 def test_a_phase_without_the_sites_is_refused_naming_the_phase_that_makes_them(tmp_path, phase):
     done = run_script(*roots(tmp_path), phase)
-    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.returncode == status.REFUSED, done.stdout + done.stderr
     assert "run the install, prepare or sites phase first" in done.stderr
     assert not (tmp_path / "results" / "environment.txt").exists()

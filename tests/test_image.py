@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsa_image.build import image_build
+from dsa_image.core import status
 from dsa_image.upstream import gate as upstream_tests
 from dsa_image.overlay.cli import manifest_path, predicted_receipt_sha256
 from dsa_image.core.recipe import load_every_base, load_recipe
@@ -213,9 +214,9 @@ def test_help_works_without_a_gpu_and_lists_modes_and_defaults(docker_client, ru
 
 @pytest.mark.parametrize("args", [(), ("zai-org/GLM-5", "--tensor-parallel-size", "4"), ("--bogus-flag",),
                                   ("selftest",), ("selftest", "--kernels", "b12x")])
-def test_serving_without_a_gpu_is_one_line_and_exit_code_3(docker_client, runtime_image, args):
+def test_serving_without_a_gpu_is_one_line_and_exits_no_gpu(docker_client, runtime_image, args):
     code, out = _run(docker_client, runtime_image, *args)
-    assert code == 3, out
+    assert code == status.NO_GPU, out
     lines = out.strip().splitlines()
     assert len(lines) == 1 and "no usable NVIDIA GPU is visible" in lines[0] and "--gpus all" in lines[0], out
 
@@ -225,7 +226,7 @@ def test_vllms_serve_help_without_a_gpu_says_where_its_flags_are(docker_client, 
     naming the pinned version's CLI docs."""
     code, out = _run(docker_client, runtime_image, "serve", "--help")
     lines = out.strip().splitlines()
-    assert code == 3 and len(lines) == 1, out
+    assert code == status.NO_GPU and len(lines) == 1, out
     assert f"https://docs.vllm.ai/en/v{RECIPE.vllm_version}/cli/serve/" in lines[0]
 
 

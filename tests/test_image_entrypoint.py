@@ -287,8 +287,10 @@ def test_help_lists_every_mode_the_serving_defaults_and_the_environment():
     for name in [*entrypoint.IMAGE_ENV, entrypoint.SKIP_GPU_CHECK, "CUDA_VISIBLE_DEVICES"]:
         assert name in text
     assert "serve --help" in text and entrypoint.vllm_serve_docs(RECIPE.vllm_version) in text  # vLLM's own flags
-    for code in (entrypoint.OK, entrypoint.IMAGE_PROBLEM, entrypoint.USAGE, entrypoint.NO_GPU):
-        assert f"\n  {code}  " in text
+    assert text.endswith(entrypoint.EXIT_CODES)
+    for code, name in ((entrypoint.OK, "SUCCESS"), (entrypoint.IMAGE_PROBLEM, "ENVIRONMENT"), (entrypoint.USAGE, "USAGE"),
+                       (entrypoint.REFUSED, "REFUSED"), (entrypoint.NO_GPU, "NO_GPU")):
+        assert f"\n  {code:<3}{name} " in text
 
 
 def test_help_works_without_the_images_environment():
@@ -350,7 +352,7 @@ def _gpu_check_must_not_run():
     raise AssertionError("the GPU check ran")
 
 
-def test_main_help_prints_usage_exits_0_and_never_checks_the_gpu(no_exec, capsys):
+def test_main_help_prints_usage_exits_success_and_never_checks_the_gpu(no_exec, capsys):
     assert entrypoint.main(["--help"], gpu_check=_gpu_check_must_not_run) == entrypoint.OK
     out = capsys.readouterr()
     assert out.out.startswith("usage: ") and "verify" in out.out and out.err == ""
@@ -365,7 +367,7 @@ def test_main_without_a_gpu_says_so_in_one_line_and_exits_no_gpu(no_exec, capsys
     assert entrypoint.plan(args, ENVIRON).gpu_for in err
 
 
-def test_main_usage_error_exits_2_with_one_line(no_exec, capsys):
+def test_main_usage_error_exits_usage_with_one_line(no_exec, capsys):
     assert entrypoint.main(["verify", "extra"], gpu_check=_gpu_check_must_not_run) == entrypoint.USAGE
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "`verify` takes no arguments" in err and "--help" in err
@@ -386,7 +388,7 @@ def test_main_skips_the_gpu_check_when_asked(no_exec, monkeypatch):
         entrypoint.main([], gpu_check=_gpu_check_must_not_run)
 
 
-def test_main_image_problem_exits_1(no_exec, monkeypatch, capsys):
+def test_main_image_problem_exits_environment(no_exec, monkeypatch, capsys):
     monkeypatch.delenv("DSA_IMAGE_TARGET")
     assert entrypoint.main([], gpu_check=_gpu_check_must_not_run) == entrypoint.IMAGE_PROBLEM
     assert "DSA_IMAGE_TARGET" in capsys.readouterr().err

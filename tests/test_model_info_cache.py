@@ -78,7 +78,7 @@ def test_the_architectures_are_the_models_and_the_drafter_vllm_maps_it_to(fake_v
 def test_an_architecture_vllm_does_not_register_is_refused(fake_vllm):
     with pytest.raises(mic.ModelInfoError, match="NoSuchForCausalLM: not a model class vLLM registers") as exc:
         mic.fill(["NoSuchForCausalLM"])
-    assert exc.value.code == mic.BAD_INPUT
+    assert exc.value.exit_code == mic.BAD_INPUT
 
 
 def test_a_failed_inspection_fails_fill(fake_vllm, monkeypatch):
@@ -90,7 +90,7 @@ def test_a_failed_inspection_fails_fill(fake_vllm, monkeypatch):
     monkeypatch.setattr(registry._LazyRegisteredModel, "inspect", broken)
     with pytest.raises(mic.ModelInfoError, match="could not inspect") as exc:
         mic.fill(ARCHS)
-    assert exc.value.code == mic.STALE
+    assert exc.value.exit_code == mic.STALE
 
 
 def test_fill_inspects_in_this_process_and_gives_vllm_its_subprocess_back(fake_vllm):

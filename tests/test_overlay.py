@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsa_image.overlay import cli as overlay
-from dsa_image.core import wheels
+from dsa_image.core import status, wheels
 from dsa_image.overlay.manifest import Entry, ManifestError, manifest_bytes, parse_manifest, record_entry
 from dsa_image.core.wheels import sha256_bytes
 
@@ -377,8 +377,13 @@ def test_unrecorded_overlay_file_is_reported(tree):
 def test_cli_help_documents_exit_codes():
     done = run_cli("--help")
     assert done.returncode == 0
-    for code in ("0  ok", "1  verification mismatch", "2  bad usage", "3  upstream drift", "4  cannot write"):
-        assert code in done.stdout
+    for code, meaning in ((overlay.OK, "ok"), (overlay.MISMATCH, "verification mismatch"), (overlay.BAD_INPUT, "bad usage"),
+                          (overlay.DRIFT, "upstream drift"), (overlay.CANNOT_WRITE, "cannot write"),
+                          (overlay.CONFLICT, "rebase: the merge left conflicts")):
+        assert f"\n  {code:<3}{status.name(code):<{status.NAME_WIDTH}}{meaning}" in done.stdout
+    # the tool's names are the table's codes
+    assert (overlay.OK, overlay.MISMATCH, overlay.BAD_INPUT, overlay.DRIFT, overlay.CANNOT_WRITE, overlay.CONFLICT) == (
+        status.SUCCESS, status.FAILED, status.USAGE, status.DRIFT, status.ENVIRONMENT, status.CONFLICT)
 
 
 def test_cli_apply_and_verify(tree):

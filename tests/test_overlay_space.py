@@ -46,7 +46,7 @@ def test_out_of_inodes_anywhere_in_apply_restores_every_file(tmp_path, free):
         try:
             tree.apply()
         except overlay.OverlayError as exc:
-            assert exc.code == overlay.CANNOT_WRITE, str(exc)
+            assert exc.exit_code == overlay.CANNOT_WRITE, str(exc)
             failed_truthfully(tree, before, str(exc))
             shutil.rmtree(filler)
             tree.apply()  # with inodes again, a re-run works
@@ -64,7 +64,7 @@ def test_out_of_space_anywhere_in_apply_restores_every_file_and_says_so(tmp_path
         try:
             tree.apply()
         except overlay.OverlayError as exc:
-            assert exc.code == overlay.CANNOT_WRITE, str(exc)
+            assert exc.exit_code == overlay.CANNOT_WRITE, str(exc)
             failed_truthfully(tree, before, str(exc))
             filler.unlink()
             tree.apply()

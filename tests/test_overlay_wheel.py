@@ -96,7 +96,7 @@ def test_a_base_overlay_refuses_the_other_vllm(tmp_path):
     site = site_from_wheel(older, overlay.reference_wheel(older), tmp_path / "site")
     with pytest.raises(overlay.OverlayError) as caught:
         apply(newer, site)
-    assert caught.value.code == overlay.DRIFT and "the installed vLLM is 0.24.0" in str(caught.value)
+    assert caught.value.exit_code == overlay.DRIFT and "the installed vLLM is 0.24.0" in str(caught.value)
 
 
 def test_one_changed_byte_upstream_fails_and_changes_nothing(base, wheel, tmp_path):
@@ -108,7 +108,7 @@ def test_one_changed_byte_upstream_fails_and_changes_nothing(base, wheel, tmp_pa
     before = snapshot(site)
     with pytest.raises(overlay.OverlayError) as caught:
         apply(base, site)
-    assert caught.value.code == overlay.DRIFT
+    assert caught.value.exit_code == overlay.DRIFT
     message = str(caught.value)
     assert message.startswith(f"{victim.relative_to(site).as_posix()}: the overlay was made for vLLM {base.vllm_version}")
     assert "Nothing was changed." in message

@@ -112,3 +112,16 @@ def test_the_capabilities_are_read_as_bake_passes_the_recipes_list(tmp_path):
     parser, args = precompile.parse_args(["build", "--cuda-arch", "12.0;12.1", "--workspace-base", str(tmp_path),
                                           "--manifest", str(tmp_path / "m.json")])
     assert precompile._what_to_build(args, parser) == (["12.0", "12.1"], ["sampling"])
+
+
+def test_the_precompile_stage_copies_every_module_of_ours_the_tool_imports():
+    """The Dockerfile's precompile stage copies the tool file by file (its cache follows only
+    them); a module missing there fails only the image build."""
+    from test_image_tree import REPO, closure, copied
+
+    dockerfile = (REPO / "Dockerfile").read_text()
+    stage = dockerfile.split("FROM deps AS precompile\n", 1)[1].split("\nFROM ", 1)[0]
+    files, _ = copied(stage)
+    needed = closure({REPO / "dsa_image" / "build" / "precompile.py"})
+    assert REPO / "dsa_image" / "core" / "status.py" in needed
+    assert needed <= files, sorted(str(p.relative_to(REPO)) for p in needed - files)

@@ -382,7 +382,7 @@ def test_out_never_replaces_trees_rebase_did_not_write(pair, tmp_path, planted):
         (out / "merged").symlink_to(elsewhere)
     with pytest.raises(rebase.RebaseError, match="rebase replaces those trees only where it wrote them") as caught:
         rebase.write_outputs(out, merges, report)
-    assert caught.value.code == overlay.BAD_INPUT
+    assert caught.value.exit_code == overlay.BAD_INPUT
     assert (out / "merged" / "keep.txt").read_text() == "keep me\n" and (elsewhere / "keep.txt").exists()
     assert sorted(p.name for p in out.iterdir()) == ["merged"]  # nothing written
     code = rebase.main(["--vllm", "0.24.0", "--to", "0.33.0", "--out", str(out)])  # refused before any download
@@ -420,7 +420,7 @@ def test_a_file_removed_upstream_is_a_conflict_that_says_where_files_of_its_name
 def test_inputs_that_cannot_support_a_verdict_are_refused(tmp_path, changes, message):
     with pytest.raises(rebase.RebaseError) as raised:
         Pair(tmp_path / "p", changes=changes).run()
-    assert raised.value.code == overlay.BAD_INPUT and message in str(raised.value)
+    assert raised.value.exit_code == overlay.BAD_INPUT and message in str(raised.value)
 
 
 def test_a_base_wheel_that_is_not_the_pinned_upstream_is_drift(pair):
@@ -429,7 +429,7 @@ def test_a_base_wheel_that_is_not_the_pinned_upstream_is_drift(pair):
                                                 e.why, e.changes) for e in pair.manifest.files), pair.manifest.changes)
     with pytest.raises(rebase.RebaseError) as raised:
         pair.run()
-    assert raised.value.code == overlay.DRIFT
+    assert raised.value.exit_code == overlay.DRIFT
 
 
 # --- behavioural evidence -----------------------------------------------------------------------
@@ -487,7 +487,7 @@ def test_a_local_target_wheel_is_used_only_with_its_sha256(pair):
     for sha, message in (("", "needs --wheel-sha256"), ("0" * 64, "has sha256")):
         with pytest.raises(rebase.RebaseError, match=message) as raised:
             rebase.local_target(path, sha)
-        assert raised.value.code == overlay.BAD_INPUT
+        assert raised.value.exit_code == overlay.BAD_INPUT
 
 
 def test_the_target_wheel_is_the_one_manylinux_x86_64_wheel_the_index_lists(monkeypatch, tmp_path):

@@ -21,6 +21,7 @@ import pytest
 
 from dsa_image.serving import cli as sc, execute as sx, launch as sl, memory_plan, recipes as sr
 from dsa_image.build import tiny_model
+from dsa_image.core import status
 from dsa_image.serving.memory_plan import GIB, GPUS, SCHEMES
 
 # The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
@@ -609,18 +610,18 @@ def test_cli_dry_run_solo_prints_the_exact_commands():
 
 
 @pytest.mark.parametrize("args, code, message", [
-    (["glm-5.2-nvfp4-8xspark", "--solo", "--dry-run"], 4, "is cluster-only: it needs 8 nodes"),
-    (["glm-5.2-nvfp4-8xrtxpro6000", "--dry-run", "--set", "gpus_per_node=4", "--set", "tensor_parallel_size=4"], 4,
+    (["glm-5.2-nvfp4-8xspark", "--solo", "--dry-run"], status.REFUSED, "is cluster-only: it needs 8 nodes"),
+    (["glm-5.2-nvfp4-8xrtxpro6000", "--dry-run", "--set", "gpus_per_node=4", "--set", "tensor_parallel_size=4"], status.REFUSED,
      "111.6 GiB of weights per GPU"),
-    (["glm-5.2-w4a16-4xspark", "--dry-run", "--vllm", "0.24.0"], 5,
+    (["glm-5.2-w4a16-4xspark", "--dry-run", "--vllm", "0.24.0"], status.REFUSED,
      "cannot run on the vLLM 0.24.0 sm120 image: vllm-sm120-flashinfer-sparse-mla-api"),
-    (["glm-5.2-nvfp4-8xrtxpro6000", "--dry-run", "--target", "sm90"], 5, "runs on the sm120 image(s), not sm90"),
-    (["glm-5.2-nvfp4-8xspark", "--dry-run", "--nodes", "a,b"], 4, "needs 8 node(s), --nodes gave 2"),
-    (["glm-5.2-nvfp4-8xspark", "--dry-run", "--set", "tensor_parallel_size=5"], 4, "does not divide the 64"),
-    (["glm-5.2-nvfp4-8xspark", "--dry-run", "--set", "pipeline_parallel_size=5", "--set", "nodes=40"], 4,
+    (["glm-5.2-nvfp4-8xrtxpro6000", "--dry-run", "--target", "sm90"], status.REFUSED, "runs on the sm120 image(s), not sm90"),
+    (["glm-5.2-nvfp4-8xspark", "--dry-run", "--nodes", "a,b"], status.REFUSED, "needs 8 node(s), --nodes gave 2"),
+    (["glm-5.2-nvfp4-8xspark", "--dry-run", "--set", "tensor_parallel_size=5"], status.REFUSED, "does not divide the 64"),
+    (["glm-5.2-nvfp4-8xspark", "--dry-run", "--set", "pipeline_parallel_size=5", "--set", "nodes=40"], status.REFUSED,
      "does not divide the 78 layers"),
-    (["glm-9", "--dry-run"], 2, "unknown recipe 'glm-9'"),
-    (["--dry-run"], 2, "name a recipe"),
+    (["glm-9", "--dry-run"], status.USAGE, "unknown recipe 'glm-9'"),
+    (["--dry-run"], status.USAGE, "name a recipe"),
 ])
 def test_cli_refusals(args, code, message):
     done = serve(*args)
@@ -696,7 +697,7 @@ def test_wrong_gpu_family_is_refused(with_nvidia_smi):
     run = Recorder(nvidia_smi="NVIDIA H200, 9.0\n")
     problem = sx.host_gpu_problem("sm120", BUILD, run)
     assert "built for compute capability 12.0, 12.1; this host has NVIDIA H200 (9.0)" in problem
-    assert sc.main(["glm-5.2-nvfp4-8xrtxpro6000"], run=run) == sr.TARGET
+    assert sc.main(["glm-5.2-nvfp4-8xrtxpro6000"], run=run) == sr.REFUSED
     assert sx.host_gpu_problem("sm90", BUILD, run) is None
 
 
@@ -886,11 +887,11 @@ def test_image_mode_serves_in_this_container():
 
 
 @pytest.mark.parametrize("args, environ, code, message", [
-    (["glm-5-fp8-8xb200"], IMAGE_ENV, 5, "runs on the sm100 image(s), not sm120"),
-    (["glm-5.2-nvfp4-8xspark", "--nodes", ",".join(SPARK8_HOSTS)], IMAGE_ENV, 4, "start it from a host"),
-    (["glm-5.2-nvfp4-8xspark", "--set", "nodes=4", "--set", "tensor_parallel_size=4"], IMAGE_ENV, 4, "does not fit"),
-    (["tiny-glm5"], {**IMAGE_ENV, "DSA_IMAGE_VLLM": "0.24.0"}, 5, "cannot run on the vLLM 0.24.0 sm120 image"),
-    (["tiny-glm5"], {}, 1, "DSA_IMAGE_TOOL is not set"),
+    (["glm-5-fp8-8xb200"], IMAGE_ENV, status.REFUSED, "runs on the sm100 image(s), not sm120"),
+    (["glm-5.2-nvfp4-8xspark", "--nodes", ",".join(SPARK8_HOSTS)], IMAGE_ENV, status.REFUSED, "start it from a host"),
+    (["glm-5.2-nvfp4-8xspark", "--set", "nodes=4", "--set", "tensor_parallel_size=4"], IMAGE_ENV, status.REFUSED, "does not fit"),
+    (["tiny-glm5"], {**IMAGE_ENV, "DSA_IMAGE_VLLM": "0.24.0"}, status.REFUSED, "cannot run on the vLLM 0.24.0 sm120 image"),
+    (["tiny-glm5"], {}, status.ENVIRONMENT, "DSA_IMAGE_TOOL is not set"),
 ])
 def test_image_mode_refusals(args, environ, code, message):
     plan = sc.image_mode(args, environ)

@@ -133,14 +133,15 @@ def test_cli_exit_codes(tmp_path):
 
 
 def test_module_is_stdlib_only():
+    # dsa_image.core.status, the exit codes and the exception root, is stdlib only itself (test_status).
     tree = ast.parse((REPO / "dsa_image" / "build" / "tiny_model.py").read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            imported |= {alias.name.split(".")[0] for alias in node.names}
+            imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            imported.add(node.module.split(".")[0])
-    assert imported - set(sys.stdlib_module_names) == set()
+            imported |= {node.module} if node.module != "dsa_image.core" else {f"dsa_image.core.{a.name}" for a in node.names}
+    assert {n.split(".")[0] for n in imported - {"dsa_image.core.status"}} - set(sys.stdlib_module_names) == set()
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +216,18 @@ def test_transformers_loads_the_mtp_config(tmp_path, offline):
     out = tmp_path / "tiny-glm5-mtp"
     tiny_model.write_model(out, tiny_model.MTP_CONFIG)
     assert transformers.AutoConfig.from_pretrained(out).num_nextn_predict_layers == 1
+
+
+def test_the_tiny_model_stage_copies_every_module_of_ours_the_script_imports():
+    """The Dockerfile's tiny-model stage copies the writer file by file; a module missing there
+    fails only the image build."""
+    from test_image_tree import closure, copied
+
+    dockerfile = (REPO / "Dockerfile").read_text()
+    stage = dockerfile.split("FROM base AS tiny-model\n", 1)[1].split("\nFROM ", 1)[0]
+    files, scripts = copied(stage)
+    script = REPO / "scripts" / "make_tiny_model.py"
+    assert scripts == {script}
+    needed = closure({script}) - {script}
+    assert REPO / "dsa_image" / "core" / "status.py" in needed
+    assert needed <= files, sorted(str(p.relative_to(REPO)) for p in needed - files)

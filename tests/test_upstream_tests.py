@@ -23,7 +23,7 @@ import pytest
 
 from dsa_image.build import lock, lock_parse
 from dsa_image.upstream import gate as ut
-from dsa_image.core import wheels
+from dsa_image.core import status, wheels
 from dsa_image.overlay.manifest import load_manifest
 from dsa_image.overlay.core import RECEIPT_NAME, manifest_path
 from dsa_image.core.recipe import REPO_ROOT, load_every_base
@@ -350,14 +350,14 @@ def test_a_file_without_a_result_on_a_side_or_nothing_passing_is_incomplete(tmp_
     results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed")], "tests/test_b.py": "not-runnable"}, False)
     results(tmp_path, "overlay", {"tests/test_a.py": [("ok", "passed")], "tests/test_b.py": "not-runnable"}, True)
     code, output = compare(tmp_path)
-    assert code == 3, output
+    assert code == status.INCOMPLETE, output
     assert "tests/test_b.py [stock] not-runnable: not-runnable here" in output
     other = tmp_path / "none-passed"
     selecting(other, "tests/test_a.py")
     results(other, "stock", {"tests/test_a.py": [("bad", "failed")]}, False)
     results(other, "overlay", {"tests/test_a.py": [("bad", "failed")]}, True)
     code, output = compare(other)
-    assert code == 3 and "no test passed on stock" in output, output
+    assert code == status.INCOMPLETE and "no test passed on stock" in output, output
 
 
 def test_a_selected_file_neither_side_reached_makes_the_comparison_incomplete(tmp_path):
@@ -367,7 +367,7 @@ def test_a_selected_file_neither_side_reached_makes_the_comparison_incomplete(tm
     results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed")]}, False)
     results(tmp_path, "overlay", {"tests/test_a.py": [("ok", "passed")]}, True)
     code, output = compare(tmp_path)
-    assert code == 3, output
+    assert code == status.INCOMPLETE, output
     assert "tests/test_b.py [stock] not run: not run yet" in output
     assert "tests/test_b.py [overlay] not run: not run yet" in output
     row = next(line for line in output.splitlines() if line.startswith("tests/test_b.py"))
@@ -387,7 +387,7 @@ def test_the_bundle_json_alone_as_exported_results_carry_it_is_enough_to_compare
     shutil.copy(tmp_path / "bundle" / "bundle.json", exported / "bundle.json")
     done = subprocess.run([sys.executable, str(SCRIPT), "compare", str(tmp_path), "--bundle",
                            str(exported / "bundle.json")], capture_output=True, text=True)
-    assert done.returncode == 3 and "tests/test_b.py [stock] not run" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == status.INCOMPLETE and "tests/test_b.py [stock] not run" in done.stdout, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -503,7 +503,7 @@ def test_a_deadline_leaves_the_rest_for_the_next_call(gate):
     args = ["run", "--side", "stock", "--bundle", str(gate["bundle"]), "--out", str(gate["out"]),
             "--site", str(gate["stock"]), "--deadline-s", "0"]
     code, output = gate["run"](*args)
-    assert code == 3 and "not run before the deadline; run the same command again to resume" in output, output
+    assert code == status.INCOMPLETE and "not run before the deadline; run the same command again to resume" in output, output
     run = json.loads((gate["out"] / "stock" / ut.RUN_FILE).read_text())
     assert set(run["files"]) == {"tests/test_needs.py"}  # known not runnable without starting pytest
 

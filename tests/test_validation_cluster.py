@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dsa_image.core import status
 from dsa_image.harness import server as serving
 from dsa_image.validation import cluster, cluster_plan
 
@@ -622,7 +623,7 @@ def test_the_session_phase_refuses_to_run_without_its_inputs(tmp_path):
     done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "out"), "--results-dir",
                            str(tmp_path / "results"), "--work-root", str(tmp_path), "--cluster-layouts", "mp-tp2",
                            "cluster"], capture_output=True, text=True, check=False, timeout=60)
-    assert done.returncode == 3
+    assert done.returncode == status.REFUSED
     assert "cluster: expected" in done.stderr and "run the prepare phase first" in done.stderr
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsa_image.core.dist_info import DistInfoError, installed_vllm_version
+from dsa_image.core import status
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ extern "C" int probe_launch(float *x, int n) {
 """
 
 
-class ArchCheckError(Exception):
+class ArchCheckError(status.DsaImageError):
     """The image cannot run (or compile kernels) on its target GPU family."""
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from dsa_image.build import image_build
 from dsa_image.core.recipe import Recipe, RecipeError, load_recipe
+from dsa_image.core import status
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,7 +71,7 @@ CPU_SYSFS = "/sys/devices/system/cpu"
 EMULATED_MIDR = "0x00000000410fd850"
 
 
-class CheckFailed(Exception):
+class CheckFailed(status.DsaImageError):
     pass
 
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from dsa_image.core import status
+
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 MIN_BUILDX = (0, 15)  # bake's `network` attribute
 # Where docs/image.md says how to get Docker and buildx, and what a host without a bridge, a
@@ -48,7 +50,7 @@ NO_BRIDGE = (f"this Docker engine has no docker0 bridge ('{BRIDGE_MISSING}' in e
              f"default build): build with BUILD_NETWORK=host and --allow network.host")
 
 
-class BuildError(Exception):
+class BuildError(status.DsaImageError):
     """A bake failed or its output could not be read."""
 
 

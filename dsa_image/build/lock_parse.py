@@ -12,10 +12,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from dsa_image.core import status
 
-class LockError(Exception):
+
+class LockError(status.DsaImageError):
     """Writing or reading a lock failed: the resolver, a download, or a pin without a hash;
     the message carries what it said."""
+
+    exit_code = status.ENVIRONMENT
 
 
 _REQUIREMENT_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+?)(\s*;.*?)?\s*\\?$")

@@ -18,8 +18,7 @@ changed since `fill` (an overlay over the model's module, another vLLM) is stale
 The architectures are the model's `architectures[0]` and the drafter's, as vLLM's
 `SpeculativeConfig.hf_config_override` renames it (GLM-5.x checkpoints carry an MTP layer).
 
-Exit codes: 0 done / fresh; 1 an entry missing or stale; 2 bad input (no config.json, an
-architecture vLLM does not register).
+Exit codes: --help lists them.
 """
 
 from __future__ import annotations
@@ -36,16 +35,19 @@ import time
 from pathlib import Path
 
 from dsa_image.core.compile_caches import cache_env
+from dsa_image.core import status
 
 TOOL_ROOT = Path(__file__).resolve().parents[2]  # the directory holding dsa_image/
 
-FRESH, STALE, BAD_INPUT = 0, 1, 2
+FRESH, STALE, BAD_INPUT = status.SUCCESS, status.FAILED, status.USAGE
+EXIT_CODES = status.epilog((FRESH, "done / fresh"), (STALE, "an entry missing or stale"),
+                           (BAD_INPUT, "bad input: no config.json, an architecture vLLM does not register"))
 
 
-class ModelInfoError(Exception):
-    def __init__(self, code: int, message: str):
+class ModelInfoError(status.DsaImageError):
+    def __init__(self, exit_code: int, message: str):
         super().__init__(message)
-        self.code = code
+        self.exit_code = exit_code
 
 
 def architectures(model_dir: Path) -> list[str]:
@@ -167,8 +169,8 @@ def image_home(home: Path, entries: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     epilog="Exit codes: 0 done / fresh; 1 missing or stale; 2 bad input.")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("fill", "check", "time"))
     parser.add_argument("--model", type=Path, required=True, help="a model directory (its config.json)")
     parser.add_argument("--cache-root", type=Path, required=True, help="VLLM_CACHE_ROOT (modelinfos/ below it)")
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
         return FRESH
     except ModelInfoError as exc:
         print(f"model_info_cache: {exc}", file=sys.stderr)
-        return exc.code
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from pathlib import Path
 from dsa_image.build import arch_check
 from dsa_image.core.atomic import write_atomic
 from dsa_image.core.wheels import sha256_file
+from dsa_image.core import status
 
 SCHEMA = 1
 # The FlashInfer modules the served path builds at start on every target -> the function in
@@ -56,7 +57,7 @@ DRIVER_SONAME = "libcuda.so.1"
 DRIVER_SYMBOL = re.compile(r"^cu[A-Z]\w*$")  # the driver API (cudart's are cudaX, from -lcudart)
 
 
-class PrecompileError(Exception):
+class PrecompileError(status.DsaImageError):
     """An artefact could not be built, or is not what the runtime would load."""
 
 

@@ -12,6 +12,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from dsa_image.core import status
+
 _ACCEPT = ", ".join([
     "application/vnd.oci.image.index.v1+json",
     "application/vnd.docker.distribution.manifest.list.v2+json",
@@ -21,8 +23,10 @@ _ACCEPT = ", ".join([
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
-class RegistryError(Exception):
+class RegistryError(status.DsaImageError):
     """The digest could not be resolved (unreachable, unknown tag, odd answer)."""
+
+    exit_code = status.ENVIRONMENT
 
 
 def split_reference(image: str) -> tuple[str, str, str]:

@@ -26,6 +26,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
+from dsa_image.core import status
+
 # The tiny GLM-5 config (vendored as tests/data/tiny-glm5-config.json): it fits every kernel-imposed
 # shape below. Key order is kept as written so the file reads like the reference.
 CONFIG: dict = {
@@ -133,7 +135,7 @@ architecture, philosophy, economics, medicine, engineering and computer science.
 _WORD = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""")
 
 
-class TinyModelError(Exception):
+class TinyModelError(status.DsaImageError):
     """The config breaks a kernel-imposed shape, or a model directory is not what we write."""
 
 

@@ -13,9 +13,13 @@ import stat
 import tempfile
 from pathlib import Path
 
+from dsa_image.core import status
 
-class NotRegularFile(OSError):
+
+class NotRegularFile(status.DsaImageError, OSError):
     """The path is a FIFO, socket, device or directory: reading or replacing it is refused."""
+
+    exit_code = status.USAGE
 
     def __init__(self, path: Path | str):
         super().__init__(errno.EINVAL, "not a regular file (a FIFO, socket, device or directory)", str(path))

@@ -6,9 +6,13 @@ from __future__ import annotations
 import email.parser
 from pathlib import Path
 
+from dsa_image.core import status
 
-class DistInfoError(RuntimeError):  # a RuntimeError: the validation harnesses refuse a base with one
+
+class DistInfoError(status.DsaImageError, RuntimeError):  # a RuntimeError: the validation harnesses refuse a base with one
     """A site-packages directory without exactly one install (with a Version) of a distribution."""
+
+    exit_code = status.USAGE
 
 
 def installed_versions(site: Path, name: str) -> list[str]:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsa_image.core import status
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
 DEFAULT_RECIPE = "glm5-dsa"
@@ -47,8 +49,10 @@ def vllm_dir(version: str) -> str:
     return f"vllm-{version}"
 
 
-class RecipeError(Exception):
+class RecipeError(status.DsaImageError):
     """The recipe is missing, malformed or asked for something it does not define."""
+
+    exit_code = status.USAGE
 
 
 @dataclass(frozen=True)

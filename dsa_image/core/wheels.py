@@ -20,13 +20,17 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsa_image.core import status
+
 PYPI_SIMPLE = "https://pypi.org/simple"
 _SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
 _CHUNK = 1 << 20
 
 
-class WheelError(Exception):
+class WheelError(status.DsaImageError):
     """A wheel could not be found, fetched or verified. The message says what to do."""
+
+    exit_code = status.ENVIRONMENT
 
 
 @dataclass(frozen=True)

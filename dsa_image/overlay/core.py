@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from dsa_image.core import dist_info, wheels
+from dsa_image.core import dist_info, status, wheels
 from dsa_image.overlay import fs as overlay_fs
 from dsa_image.core.atomic import NotRegularFile, read_regular
 from dsa_image.overlay.manifest import Manifest, ManifestError, load_manifest
@@ -31,13 +31,14 @@ ORIGINALS_DIR_NAME = ".vllm_overlay_originals"
 LOCK_TIMEOUT = 120.0  # seconds a second apply/revert/verify waits for the target's lock
 TOOL = "python3 scripts/overlay.py"
 
-# Exit codes, documented in scripts/overlay.py --help.
-OK = 0
-MISMATCH = 1  # installed state disagrees with the receipt / manifest, or a module is shadowed
-BAD_INPUT = 2  # usage, recipe, manifest, overlay tree, target without vLLM
-DRIFT = 3  # the installed (or pinned) vLLM is not the one the overlay was made for
-CANNOT_WRITE = 4  # read-only target, a failed write, a busy lock; everything was restored
-CONFLICT = 5  # rebase: the 3-way merge left conflicts; nothing was recorded
+# The tool's exit codes: its names for codes of the one table (dsa_image.core.status), listed
+# with what each means here in scripts/overlay.py --help.
+OK = status.SUCCESS
+MISMATCH = status.FAILED  # installed state disagrees with the receipt / manifest, or a module is shadowed
+BAD_INPUT = status.USAGE  # usage, recipe, manifest, overlay tree, target without vLLM
+DRIFT = status.DRIFT  # the installed (or pinned) vLLM is not the one the overlay was made for
+CANNOT_WRITE = status.ENVIRONMENT  # read-only target, a failed write, a busy lock; everything was restored
+CONFLICT = status.CONFLICT  # rebase: the 3-way merge left conflicts; nothing was recorded
 
 
 def overlay_dir(version: str) -> Path:
@@ -49,10 +50,12 @@ def manifest_path(version: str) -> Path:
     return overlay_dir(version) / MANIFEST_NAME
 
 
-class OverlayError(Exception):
-    def __init__(self, code: int, message: str):
+class OverlayError(status.DsaImageError):
+    """What stops apply, revert, verify, record or rebase: `exit_code` is one of the codes above."""
+
+    def __init__(self, exit_code: int, message: str):
         super().__init__(message)
-        self.code = code
+        self.exit_code = exit_code
 
 
 class Interrupted(BaseException):

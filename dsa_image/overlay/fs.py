@@ -23,12 +23,15 @@ from pathlib import Path
 from typing import Iterator
 
 from dsa_image.core.atomic import NotRegularFile, fsync_dir, write_new as _write_new
+from dsa_image.core import status
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
-class SymlinkOnTheWay(OSError):
+class SymlinkOnTheWay(status.DsaImageError, OSError):
     """A symlink where DIR's tree must have a real directory (or, for lstat_chain, a file)."""
+
+    exit_code = status.ENVIRONMENT
 
     def __init__(self, path: Path | str):
         super().__init__(errno.ELOOP, "a symlink on the way: apply and revert never follow one inside the site",

@@ -33,6 +33,7 @@ from typing import Callable
 
 from dsa_image.core.atomic import read_regular
 from dsa_image.core.wheels import sha256_bytes
+from dsa_image.core import status
 
 SCHEMA = 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -41,8 +42,10 @@ _TEST_ID = re.compile(r"tests/[A-Za-z0-9_/]+\.py::[A-Za-z_][A-Za-z0-9_]*")
 CHANGES_FILE = "changes.toml"  # in the overlay directory, next to manifest.json
 
 
-class ManifestError(Exception):
+class ManifestError(status.DsaImageError):
     """The manifest is missing, malformed, or an entry cannot be recorded."""
+
+    exit_code = status.USAGE
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import zipfile
 from pathlib import Path
 
 from dsa_image.overlay import cli as overlay
-from dsa_image.core import wheels
+from dsa_image.core import status, wheels
 from dsa_image.overlay.manifest import Change, Entry, Manifest
 from dsa_image.core.recipe import DEFAULT_RECIPE, REPO_ROOT
 from dsa_image.rebase.changes import (Inputs, attribute, change_report, check_inputs, check_stock_target, run_tests,
@@ -237,9 +237,10 @@ def run_rebase(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m dsa_image.rebase.cli", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=f"exit codes: {overlay.OK} merged without conflict; {overlay.BAD_INPUT} bad "
-                                            f"input; {overlay.DRIFT} the pinned wheel is not what the overlay was made "
-                                            f"from; {CONFLICT} conflicts (nothing recorded in any case)")
+                                     epilog=status.epilog(
+                                         (overlay.OK, "merged without conflict"), (overlay.BAD_INPUT, "bad input"),
+                                         (overlay.DRIFT, "the pinned wheel is not what the overlay was made from"),
+                                         (CONFLICT, "conflicts"), notes=("Nothing is recorded in any case.",)))
     parser.add_argument("--manifest", help="default: the --vllm base's overlay/vllm-VERSION/manifest.json")
     parser.add_argument("--overlay-dir", help="default: the --vllm base's overlay/vllm-VERSION/")
     parser.add_argument("--vllm", metavar="VERSION", help="the base to re-base from (default: the recipe's default)")
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_rebase(args)
     except overlay.OverlayError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return exc.code
+        return exc.exit_code
 
 
 if __name__ == "__main__":

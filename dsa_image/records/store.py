@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsa_image.core.atomic import read_regular, write_atomic, write_new
+from dsa_image.core import status
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD_ROOTS = ("docs/validation", "docs/benchmarks")
@@ -48,8 +49,10 @@ _ARCHIVE_LINE = re.compile(r"\(([\d,]+) bytes, sha256 `([0-9a-f]{64})`\)")
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 
 
-class RecordError(Exception):
+class RecordError(status.DsaImageError):
     """A record that cannot be packed or read: the message says which file and what to do."""
+
+    exit_code = status.USAGE
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,8 @@ once vLLM's /health answers it sends the requests whose kernels would otherwise 
 the first users' requests, and only then does the HEALTHCHECK report healthy.
 DSA_IMAGE_WARMUP=0 execs vLLM directly (healthy on /health alone, as stock vLLM).
 
-Exit codes (of the entrypoint itself; once `vllm serve` or the overlay tool runs, theirs):
-  0  ok (--help)
-  1  the image is broken: an environment variable, the recipe or the receipt is missing or wrong
-  2  usage: arguments a mode does not take, a mistyped mode, a --config file it cannot read
-  3  no usable NVIDIA GPU visible to `serve` (DSA_IMAGE_SKIP_GPU_CHECK=1 skips the check)
-  4  recipe: the layout is refused (does not fit in memory, TP/PP do not divide, cluster-only)
-  5  recipe: it needs another image target than this image's
+Exit codes: --help lists them (EXIT_CODES; the entrypoint's own: once `vllm serve` or the overlay
+tool runs, theirs).
 
 A new mode is one entry in MODES: a handler taking the mode's arguments and the environment
 and returning a Plan, a synopsis and a one-line summary for --help. Stdlib only.
@@ -48,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from dsa_image.core import status
 from dsa_image.runtime import serve_command, warmup
 from dsa_image.core.recipe import Recipe, RecipeError, Target, load_recipe
 
@@ -55,7 +51,8 @@ RECEIPT = Path("/opt/dsa-image/receipt.json")
 RECEIPT_SHA256 = Path("/opt/dsa-image/receipt.json.sha256")
 SITE_RECEIPT_NAME = "vllm_overlay_receipt.json"
 
-OK, IMAGE_PROBLEM, USAGE, NO_GPU = 0, 1, 2, 3
+OK, USAGE, IMAGE_PROBLEM, REFUSED, NO_GPU = (status.SUCCESS, status.USAGE, status.ENVIRONMENT, status.REFUSED,
+                                             status.NO_GPU)
 
 # The driver library the NVIDIA container runtime mounts into a container started with GPUs.
 LIBCUDA = "libcuda.so.1"
@@ -63,6 +60,17 @@ SKIP_GPU_CHECK = "DSA_IMAGE_SKIP_GPU_CHECK"
 HELP_FLAGS = ("-h", "--help")
 SERVE_NEEDS_GPU = "vllm serve needs one"
 DEFAULT_MODE = "serve"
+
+EXIT_CODES = status.epilog(
+    (OK, "ok (--help, recipe --list / --dry-run)"),
+    (USAGE, "usage: arguments a mode does not take, a mistyped mode, a --config file it cannot read, a bad "
+            "recipe or override"),
+    (IMAGE_PROBLEM, "the image is broken: an environment variable, the recipe or the receipt is missing or wrong"),
+    (REFUSED, "recipe: refused, the layout (does not fit in memory, TP/PP do not divide, cluster-only) or another "
+              "image target than this image's"),
+    (NO_GPU, "no usable NVIDIA GPU visible to serve, to vLLM's serve --help, selftest or a Ray node "
+             f"({SKIP_GPU_CHECK}=1 skips the check)"),
+    heading="exit codes (the entrypoint's; once vllm serve, the self-test or the overlay tool runs, theirs):")
 
 # Set by the Dockerfile; listed by --help with what each is for.
 IMAGE_ENV = {
@@ -343,12 +351,12 @@ MODES: dict[str, Mode] = {
     "selftest": Mode(_selftest, "[--kernels auto|b12x|deepgemm] [--json FILE|-]",
                      "run the DSA indexer kernels this image uses on this GPU (b12x on sm_120/121, DeepGEMM "
                      "on sm_90/sm_100) against the torch reference on seeded inputs, incl. a long prefill; "
-                     "prints a table; its exit codes: 0 agree, 1 mismatch, 3 no GPU, 4 refused for this "
-                     "GPU, 5 a kernel raised"),
+                     f"prints a table; its exit codes: {status.SUCCESS} agree, {status.FAILED} mismatch, "
+                     f"{status.NO_GPU} no GPU, {status.REFUSED} refused for this GPU, {status.CRASHED} a kernel raised"),
     "recipe": Mode(_recipe, "--list | NAME [--dry-run] [--set KEY=VALUE ...] [-- VLLM ARGS]",
                    "a serving recipe (recipes/serve/): --list and --dry-run print the memory plan and the "
                    "docker / vllm commands per node, no GPU needed; NAME serves it in this container (one "
-                   "node). Refused: exit 4 (layout: memory, TP/PP, cluster-only), 5 (another image target)"),
+                   f"node). Refused: exit {REFUSED} (layout: memory, TP/PP, cluster-only; another image target)"),
     "ray-head": Mode(_ray_head, "[RAY START FLAGS...]",
                      "start a Ray head for serving across nodes (blocks; VLLM_HOST_IP, RAY_PORT); then serve "
                      "from it with --distributed-executor-backend ray (docs/cluster.md)"),
@@ -437,15 +445,8 @@ def usage(environ: dict[str, str]) -> str:
               f"  {'NVIDIA_VISIBLE_DEVICES':<24} which GPUs the NVIDIA runtime mounts (the image says all; --gpus picks)",
               f"  {'CUDA_VISIBLE_DEVICES':<24} which of those vLLM uses",
               "  and whatever vLLM and Hugging Face read (VLLM_*, HF_TOKEN, HF_HOME ...).",
-              "",
-              "exit codes (the entrypoint's; once vllm serve or the overlay tool runs, theirs):",
-              f"  {OK}  ok",
-              f"  {IMAGE_PROBLEM}  the image is broken: environment, recipe or receipt",
-              f"  {USAGE}  usage: arguments a mode does not take, a mistyped mode, a --config file it cannot read",
-              f"  {NO_GPU}  no usable NVIDIA GPU visible to serve (also to vLLM's serve --help)",
-              "  4  recipe: layout refused (memory, TP/PP, cluster-only)",
-              "  5  recipe: needs another image target"]
-    return "\n".join(lines) + "\n"
+              ""]
+    return "\n".join(lines) + "\n" + EXIT_CODES
 
 
 def _env_line(name: str, what: str) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 from dsa_image.runtime import serve_command
 from dsa_image.runtime.serve_command import Endpoint
 from dsa_image.runtime.warmup import warm_problem
+from dsa_image.core import status
 
 PROC = Path("/proc")
 TIMEOUT_S = 8  # under the Dockerfile's HEALTHCHECK --timeout
@@ -37,7 +38,7 @@ _API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # takes the serve fla
 _SUPERVISOR_MODULE = "dsa_image.runtime.warmup"
 
 
-class NoServer(Exception):
+class NoServer(status.DsaImageError):
     """No `vllm serve` process in this container."""
 
 

@@ -19,14 +19,7 @@ one b12x supertile) and are compared with dsa_image.runtime.indexer_reference on
   position chosen differently must be a near-tie: within 2^-7 of the row's magnitude of the
   k-th logit. Anything else is a mismatch.
 
-Exit codes:
-  0  every kernel agrees with the reference
-  1  mismatch: a kernel disagrees with the reference
-  2  usage
-  3  no NVIDIA GPU visible (torch.cuda sees none)
-  4  refused: the kernels asked for have no code for this GPU, or the self-test does not cover
-     them here (DeepGEMM under vLLM 0.33.0 on the sm_100 family: MX-scaled inputs)
-  5  a kernel raised (the table says which)
+Exit codes: --help lists them (EXIT_CODES).
 
 ``--break CASE`` replaces one row of that case's kernel output with the first top-k positions:
 the self-test's own proof that a wrong kernel fails it (exit 1).
@@ -41,7 +34,19 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-OK, MISMATCH, USAGE, NO_GPU, REFUSED, ERROR = 0, 1, 2, 3, 4, 5
+from dsa_image.core import status
+
+OK, MISMATCH, USAGE, REFUSED, NO_GPU, ERROR = (status.SUCCESS, status.FAILED, status.USAGE, status.REFUSED,
+                                              status.NO_GPU, status.CRASHED)
+EXIT_CODES = status.epilog(
+    (OK, "every kernel agrees with the reference"),
+    (MISMATCH, "mismatch: a kernel disagrees with the reference"),
+    USAGE,
+    (REFUSED, "refused: the kernels asked for have no code for this GPU, or the self-test does not cover them here "
+              "(DeepGEMM under vLLM 0.33.0 on the sm_100 family: MX-scaled inputs)"),
+    (NO_GPU, "no NVIDIA GPU visible (torch.cuda sees none)"),
+    (ERROR, "a kernel raised (the table says which), or the environment that serves (torch, vLLM) is missing or "
+            "broken"))
 TOLERANCE = 2.0 ** -7
 BLOCK_SIZE = 64
 TIMED_RUNS = 3
@@ -580,8 +585,10 @@ class B12xKernels(_InstalledReleaseKernels):
 # -- choosing, refusing -----------------------------------------------------------------------
 
 
-class Refused(Exception):
+class Refused(status.DsaImageError):
     """The kernels asked for have no code for this GPU."""
+
+    exit_code = status.REFUSED
 
 
 def pick_kernels(choice: str, capability: tuple[int, int], gpu: str):
@@ -606,7 +613,8 @@ def gpu_or_none():
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="selftest", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="selftest", description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", choices=("auto", "b12x", "deepgemm"), default="auto",
                         help="auto (default): the kernels the image uses on this GPU")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON (- for stdout)")

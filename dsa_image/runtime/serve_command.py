@@ -28,14 +28,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from dsa_image.core import status
+
 VLLM_DEFAULT_PORT = 8000
 CONFIG_FLAG = "--config"
 # A wildcard address listens on loopback too.
 _WILDCARDS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
-class ConfigError(ValueError):
+class ConfigError(status.DsaImageError, ValueError):
     """The --config file cannot be read, or not with certainty."""
+
+    exit_code = status.USAGE
 
 
 def flag_name(arg: str) -> str:

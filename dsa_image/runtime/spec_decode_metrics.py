@@ -93,3 +93,16 @@ def acceptance(delta: dict | None) -> dict | None:
     return {**delta, "acceptance_rate": delta["accepted_tokens"] / delta["draft_tokens"],
             "mean_acceptance_length": 1.0 + delta["accepted_tokens"] / drafts,
             "per_position_rate": [p / drafts for p in delta["accepted_per_position"]]}
+
+
+def log_warmup_drafts(spec: dict | None, log: Callable[[str], None]) -> None:
+    """The warm-up's line on what its requests drafted (spec: its counters' difference; None: a
+    server without speculative decoding, nothing to say)."""
+    if spec is None:
+        return
+    if spec["drafts"] > 0:
+        log(f"dsa-image warmup: speculative decoding (MTP) ran in the warm-up: {spec['drafts']:.0f} drafts, "
+            f"{spec['draft_tokens']:.0f} draft tokens, {spec['accepted_tokens']:.0f} accepted")
+    else:  # recorded, not a failure: the server serves, its draft path just did not run here
+        log("dsa-image warmup: WARNING: speculative decoding is configured (its counters are on /metrics) "
+            "but the warm-up's requests made no drafts: the draft path was not warmed")

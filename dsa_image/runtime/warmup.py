@@ -59,7 +59,8 @@ from typing import Any, Callable
 from dsa_image.runtime import serve_command
 from dsa_image.core.atomic import read_regular, write_atomic
 from dsa_image.runtime.serve_command import Endpoint
-from dsa_image.runtime.spec_decode_metrics import parse_spec_counters, settle
+from dsa_image.runtime.spec_decode_metrics import log_warmup_drafts, parse_spec_counters, settle
+from dsa_image.core import status
 
 MARKER_ENV = "DSA_IMAGE_WARM_MARKER"
 SWITCH_ENV = "DSA_IMAGE_WARMUP"
@@ -94,9 +95,14 @@ SPEC_SETTLE_PAUSE_S = 0.5
 DEFAULT_TIMEOUT_S = 1800.0
 # A budget past a week is a typo (and a socket refuses a timeout of 1e10 s).
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "run: warm; check: the server is warm (or needs no warm-up)"),
+    (status.FAILED, "run: a warm-up request failed; check: not ready"), status.USAGE,
+    notes=(f"supervise: the server's own exit status (128+N: killed by signal N), {status.NOT_RUN} when it cannot "
+           "be started.",))
 
 
-class WarmupError(Exception):
+class WarmupError(status.DsaImageError):
     """The server did not answer a warm-up request as it should."""
 
 
@@ -393,17 +399,6 @@ def spec_decode_report(before: dict | None, after: dict | None) -> dict | None:
     return {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
 
 
-def _log_spec_decode(spec: dict | None, log: Callable[[str], None]) -> None:
-    if spec is None:
-        return
-    if spec["drafts"] > 0:
-        log(f"dsa-image warmup: speculative decoding (MTP) ran in the warm-up: {spec['drafts']:.0f} drafts, "
-            f"{spec['draft_tokens']:.0f} draft tokens, {spec['accepted_tokens']:.0f} accepted")
-    else:  # recorded, not a failure: the server serves, its draft path just did not run here
-        log("dsa-image warmup: WARNING: speculative decoding is configured (its counters are on /metrics) "
-            "but the warm-up's requests made no drafts: the draft path was not warmed")
-
-
 def warm(endpoint: Endpoint, settings: Settings = Settings(), log: Callable[[str], None] = print) -> dict:
     """Send every step's requests to a healthy server, all within settings.timeout_s from now
     (one budget for every request, /v1/models and /metrics included); raises WarmupError on a
@@ -453,7 +448,7 @@ def _warm_steps(endpoint: Endpoint, settings: Settings, log: Callable[[str], Non
     at[0] = "the reads of the spec-decode counters"
     report["spec_decode"] = spec_decode_report(
         spec_before, settled_spec_counters(endpoint, deadline) if spec_before is not None else None)
-    _log_spec_decode(report["spec_decode"], log)
+    log_warmup_drafts(report["spec_decode"], log)
     report["seconds"] = round(time.monotonic() - start, 3)
     return report
 
@@ -582,11 +577,11 @@ def wait_for(child: subprocess.Popen) -> int:
         child.wait()
     else:
         while True:
-            pid, status = os.waitpid(-1, 0)
+            pid, wait_status = os.waitpid(-1, 0)
             if pid == child.pid:
-                child.returncode = os.waitstatus_to_exitcode(status)
+                child.returncode = os.waitstatus_to_exitcode(wait_status)
                 break
-    return 128 - child.returncode if child.returncode < 0 else child.returncode
+    return status.killed_by(-child.returncode) if child.returncode < 0 else child.returncode
 
 
 def warm_and_mark(child: subprocess.Popen, exited: threading.Event, argv: list[str], environ: dict[str, str],
@@ -641,7 +636,7 @@ def supervise(argv: list[str], environ: dict[str, str], marker: Path | None = No
                                  preexec_fn=_default_dispositions)
     except OSError as exc:
         _log(f"dsa-image: cannot start {argv[0]}: {exc}")
-        return 127
+        return status.NOT_RUN
     exited = threading.Event()
     undo = forward_signals(child, exited)
     threading.Thread(target=warm_and_mark, daemon=True,
@@ -658,7 +653,8 @@ def supervise(argv: list[str], environ: dict[str, str], marker: Path | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dsa_image.runtime.warmup", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dsa_image.runtime.warmup", description=__doc__.splitlines()[0],
+                                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     sup = commands.add_parser("supervise", help="run SERVER_ARGV as a child, warm it, write the marker")
     sup.add_argument("--marker", type=Path, help="default: /dev/shm/dsa-image-warm-<hostname>.json")
@@ -688,12 +684,12 @@ def main(argv: list[str] | None = None) -> int:
             report = warm(endpoint, settings)
         except WarmupError as exc:
             print(f"dsa-image warmup: FAILED: {exc}", file=sys.stderr)
-            return 1
+            return exc.exit_code
         print(json.dumps(report, indent=1))
-        return 0
+        return status.SUCCESS
     problem = warm_problem(args.pid)
     print(f"not ready: {problem}" if problem else "ready")
-    return 1 if problem else 0
+    return status.FAILED if problem else status.SUCCESS
 
 
 if __name__ == "__main__":

@@ -6,10 +6,7 @@ It lists the recipes (--list: each with its memory plan), prints a dry run (per 
 or across nodes, all or nothing (execute). In the image the image's target and vLLM base are the
 defaults, and a launch serves in the container itself (one node).
 
-Exit codes: 0 ok; 2 usage or a bad recipe / override; 4 layout refused (does not fit, TP does
-not divide the heads, PP does not divide the layers, cluster-only on one node, a node count
-that does not match); 5 the image target does not match the GPU (or a GPU host is needed and
-absent). Once docker or vllm runs, theirs. Stdlib only: the image's entrypoint imports this.
+Exit codes: EXIT_CODES (--help). Stdlib only: the image's entrypoint imports this.
 """
 
 from __future__ import annotations
@@ -21,13 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
+from dsa_image.core import status
 from dsa_image.serving import memory_plan
 from dsa_image.serving.memory_plan import GPUS
 from dsa_image.core.recipe import RECIPES_DIR, Recipe
 from dsa_image.serving.execute import execute
 from dsa_image.serving.launch import DEFAULT_HF_CACHE, IMAGE_REPOSITORY, Launch, describe, memory_plan_of, plan_launch
-from dsa_image.serving.recipes import (OK, LayoutError, RecipeFileError, ServeError, ServeRecipe, TargetError,
-                                       apply_overrides, blocking, build_recipe, load_serve_recipe, serve_recipe_names)
+from dsa_image.serving.recipes import (OK, REFUSED, USAGE, LayoutError, RecipeFileError, ServeError, ServeRecipe,
+                                       TargetError, apply_overrides, blocking, build_recipe, load_serve_recipe,
+                                       serve_recipe_names)
 
 
 # -- --list --------------------------------------------------------------------------------
@@ -77,14 +76,17 @@ max_num_batched_tokens, num_speculative_tokens, tool_call_parser, ...), a [layou
 (tensor_parallel_size, pipeline_parallel_size, nodes, gpus_per_node, cluster_backend), hf_id,
 hf_overrides.NAME, env.NAME, hardware.TARGET (a GPU). Values are typed by the schema;
 `KEY=` drops a [vllm] setting. Arguments after `--` go to vllm serve verbatim.
-
-exit codes: 0 ok; 2 usage or a bad recipe/override; 4 layout refused (memory plan, TP/PP
-divisibility, cluster-only on one node, node count); 5 image target and GPU do not match.
 """
+EXIT_CODES = status.epilog(
+    (OK, "ok"), (USAGE, "usage or a bad recipe / override"),
+    (REFUSED, "refused: the layout (does not fit in memory, TP does not divide the heads, PP does not divide the "
+              "layers, cluster-only on one node, a node count that does not match), or the image target does not "
+              "match the GPU (or a GPU host is needed and absent)"),
+    notes=("Once docker or vllm runs, theirs.",))
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, usage=USAGE_TEXT, epilog=EPILOG,
+    parser = argparse.ArgumentParser(prog=prog, usage=USAGE_TEXT, epilog=EPILOG + "\n" + EXIT_CODES,
                                      description="GLM-5.x serving recipes: list, dry-run, launch.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", nargs="?", help="recipe (recipes/serve/NAME.toml)")
@@ -210,7 +212,8 @@ def image_mode(args: list[str], environ: Mapping[str, str]) -> ImagePlan:
     DSA_IMAGE_TOOL/recipes, and a launch serves in this container (one node)."""
     tool = environ.get("DSA_IMAGE_TOOL", "")
     if not tool:
-        return ImagePlan(error="DSA_IMAGE_TOOL is not set; the image's Dockerfile sets it", exit_code=1)
+        return ImagePlan(error="DSA_IMAGE_TOOL is not set; the image's Dockerfile sets it",
+                         exit_code=status.ENVIRONMENT)
     recipes_dir = Path(tool) / "recipes"
     image_target = environ.get("DSA_IMAGE_TARGET") or None
     image_vllm = environ.get("DSA_IMAGE_VLLM") or None

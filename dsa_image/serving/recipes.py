@@ -5,10 +5,11 @@
     recipes/models/<model>.toml  model facts (transformers' GlmMoeDsaConfig defaults + published values)
 
 Every recipe is checked when loaded, its values by their schema entries (Setting); a layout
-that cannot work is refused with the reason. The errors carry the runner's exit codes (cli):
-2 usage or a bad recipe / override (RecipeFileError); 4 layout refused (LayoutError: TP does not
-divide the heads, PP does not divide the layers, cluster-only on one node, a node count that
-does not match, memory); 5 the image target does not match the GPU (TargetError).
+that cannot work is refused with the reason. The errors carry the runner's exit codes (cli;
+dsa_image.core.status): USAGE, a bad recipe / override (RecipeFileError); REFUSED, a layout that
+cannot work (LayoutError: TP does not divide the heads, PP does not divide the layers,
+cluster-only on one node, a node count that does not match, memory) or an image target that does
+not match the GPU (TargetError).
 
 Workarounds expire with their bugs: each `[env.NAME]` / `[workarounds.SETTING]` entry names the
 bugs it works around (recipes/bugs/, dsa_image/serving/workarounds.py) and is applied on a vLLM base only
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from dsa_image.core import status
 from dsa_image.serving import memory_plan
 from dsa_image.serving.memory_plan import GPUS, SCHEMES
 from dsa_image.core.recipe import DEFAULT_RECIPE, RECIPES_DIR, Recipe, RecipeError, load_recipe
@@ -35,10 +37,10 @@ SERVE_DIR_NAME = "serve"
 MODELS_DIR_NAME = "models"
 DEFAULT_SERVE_RECIPE = "tiny-glm5"
 
-OK, USAGE, LAYOUT, TARGET = 0, 2, 4, 5
+OK, USAGE, REFUSED = status.SUCCESS, status.USAGE, status.REFUSED
 
 
-class ServeError(Exception):
+class ServeError(status.DsaImageError):
     exit_code = USAGE
 
 
@@ -49,13 +51,13 @@ class RecipeFileError(ServeError):
 class LayoutError(ServeError):
     """The layout cannot work: memory, divisibility, node count."""
 
-    exit_code = LAYOUT
+    exit_code = REFUSED
 
 
 class TargetError(ServeError):
     """The image target does not match the GPU."""
 
-    exit_code = TARGET
+    exit_code = REFUSED
 
 
 # -- schema --------------------------------------------------------------------------------

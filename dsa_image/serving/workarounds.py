@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from dsa_image.core.recipe import RECIPES_DIR
+from dsa_image.core import status
 
 BUGS_DIR_NAME = "bugs"
 VERDICTS = ("present", "fixed", "absent")
@@ -50,8 +51,10 @@ _SOURCE = {"files", "code", "before", "after"}
 _VERSION = re.compile(r"([0-9]+(?:\.[0-9]+)*)(?:(a|b|rc)([0-9]+))?(?:\.post([0-9]+))?(?:\.dev([0-9]+))?")
 
 
-class BugError(Exception):
+class BugError(status.DsaImageError):
     """A bug file is malformed, or an artefact cannot be read as its evidence says."""
+
+    exit_code = status.USAGE
 
 
 @dataclass(frozen=True)

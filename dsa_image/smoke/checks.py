@@ -18,6 +18,7 @@ from dsa_image.smoke.expect import Expected, backend_problems
 from dsa_image.smoke.http import Client, HttpError
 from dsa_image.smoke.layout import Layout, layout_problems
 from dsa_image.build.tiny_model import CONFIG as TINY_CONFIG
+from dsa_image.core import status
 
 # Over index_topk, so the indexer scores the prefill; well inside max_model_len (8192).
 LONG_PROMPT_TOKENS = 3000
@@ -46,7 +47,7 @@ class Check:
                 "seconds": round(self.seconds, 3), "details": self.details}
 
 
-class CheckFailed(Exception):
+class CheckFailed(status.DsaImageError):
     """Raised inside a check: the message is the reason it failed."""
 
 

@@ -10,8 +10,10 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from dsa_image.core import status
 
-class HttpError(Exception):
+
+class HttpError(status.DsaImageError):
     """A request failed: no connection, a non-2xx status, or a body that is not JSON."""
 
 

@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass, field
 
 from dsa_image.smoke.gpu import Runner
+from dsa_image.core import status
 
 BACKENDS = ("mp", "ray")
 ALL_GPUS = -1
@@ -69,9 +70,11 @@ ENTRYPOINT_SERVE_LOG = re.compile(r"^dsa-image \S+: .*?(?:recipe's defaults|Runn
 SHM_QUERY = ["df", "-kP", "/dev/shm"]
 
 
-class LayoutError(Exception):
+class LayoutError(status.DsaImageError):
     """A layout refused before anything starts (exit 2): the message says what was expected,
     what was found and what to do."""
+
+    exit_code = status.USAGE
 
 
 def positive_int(text: str) -> int:

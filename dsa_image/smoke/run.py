@@ -18,6 +18,7 @@ from dsa_image.smoke.gpu import capability_of
 from dsa_image.smoke.http import Client
 from dsa_image.smoke.layout import SINGLE_GPU, Layout, logged_layout, summary
 from dsa_image.smoke.report import LOG_NAME, Report, log_tail, summarize_receipt, write_report
+from dsa_image.core import status
 
 DEFAULT_HEALTH_TIMEOUT_S = 600.0
 POLL_S = 1.0
@@ -26,8 +27,10 @@ POLL_S = 1.0
 SUMMARY_REASON_LINES = 40
 
 
-class StartError(Exception):
+class StartError(status.DsaImageError):
     """The server could not be started at all (e.g. Docker refused the GPU request)."""
+
+    exit_code = status.USAGE
 
 
 class Server(Protocol):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 from dsa_image.overlay.manifest import Manifest
+from dsa_image.core import status
 
 TESTS = "tests"
 # What pytest collects by default (python_files); vLLM's pyproject.toml does not change it.
@@ -32,8 +33,10 @@ _IMPORT_GUARDS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseExcept
 _IMPORT_CALLS = {"import_module", "importorskip", "__import__"}
 
 
-class UpstreamTestsError(Exception):
+class UpstreamTestsError(status.DsaImageError):
     """A bundle, an sdist or a run's results cannot be used; the message says what to do."""
+
+    exit_code = status.USAGE
 
 
 def overlaid_modules(manifest: Manifest) -> tuple[str, ...]:

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import TypeVar
 
+from dsa_image.core import status
+
 # -- layouts ------------------------------------------------------------------------------------
 
 
@@ -61,9 +63,11 @@ BUILDS = ("stock", "overlay")
 PORTS_PER_WAVE = 20  # API ports: a wave's servers never reuse the ports of an earlier wave's
 
 
-class Refused(ValueError):
+class Refused(status.DsaImageError, ValueError):
     """A layout list or plan that cannot be carried out; the message says what was expected,
     what was found, and what to do."""
+
+    exit_code = status.USAGE
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from dsa_image.serving import memory_plan
 from dsa_image.validation.serving_modes import LOG_FACTS
+from dsa_image.core import status
 
 WEIGHTS_SLACK_GIB = 0.5
 ROUNDING_GIB = 0.01  # vLLM's format_gib rounds to two decimals
@@ -58,8 +59,10 @@ WORKSPACE = re.compile(r"\[WORKSPACE DEBUG\] Resized workspace from '[^']*': [0-
 MB = 2**20  # vLLM's workspace.py _MB
 
 
-class MemoryCheckError(Exception):
+class MemoryCheckError(status.DsaImageError):
     """A log lacks what the check needs, or the model or serving is not what it covers."""
+
+    exit_code = status.USAGE
 
 
 @dataclass(frozen=True)

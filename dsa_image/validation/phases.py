@@ -21,7 +21,7 @@ from typing import Callable
 
 from dsa_image.build import realwidth_model, tiny_model
 from dsa_image.core.recipe import load_recipe
-from dsa_image.validation.runner import FAILED, INCOMPLETE, OK, Paths, Refused, Session, copy_out, log, matching, tail
+from dsa_image.validation.runner import FAILED, OK, REFUSED, Paths, Refused, Session, copy_out, log, matching, tail
 
 # GLM-5 at real width (about 24 GiB of bf16 weights, 43 GiB with the MTP layer): two servers side
 # by side on one H200, each with a fixed KV cache; the utilisation only passes vLLM's start-up
@@ -302,7 +302,7 @@ def serve(s: Session) -> int:
 def upstream(s: Session) -> int:
     """vLLM's own tests that import an overlaid module (scripts/upstream_tests.py gate), stock and
     overlay at once on the one GPU, file by file; the results in RESULTS/upstream-tests resume in
-    the next call, whose gate runs what is left (its exit 3 here: INCOMPLETE), then compares."""
+    the next call, whose gate runs what is left (its INCOMPLETE, the phase's too), then compares."""
     p, o = s.paths, s.opts
     bundle, out = upstream_bundle(s), p.results / "upstream-tests"
     log(f"upstream's tests: stock vs overlay, file by file, {o.upstream_jobs} runs at once ({bundle})")
@@ -327,7 +327,7 @@ def upstream(s: Session) -> int:
     with tarfile.open(p.out / "upstream-tests.tgz", "w:gz") as tar:
         tar.add(out, arcname="upstream-tests")
         tar.add(log_path, arcname=log_path.name)
-    return INCOMPLETE if status == 3 else status
+    return status  # the gate's INCOMPLETE is the session's
 
 
 def hosttime(s: Session) -> int:
@@ -570,8 +570,10 @@ def selftest(s: Session) -> int:
         print(f"selftest {step} exit: {status}")
         tail(report, 12, lambda line: not re.match(r"INFO|WARNING|DEBUG", line))
         copy_out(report, p.out / report.name)
-        # The three exit as the self-test's contract says: 0 (this GPU's kernels), 4 (b12x refused), 1.
-        worst = worst or int(status != {"auto": 0, "refusal": 4, "broken": 1}[step])
+        # The three exit as the self-test's contract says: this GPU's kernels agree, b12x is refused, the
+        # broken kernel fails.
+        expected = {"auto": OK, "refusal": REFUSED, "broken": FAILED}[step]
+        worst = worst or int(status != expected)
     return worst
 
 

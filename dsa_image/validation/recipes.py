@@ -44,6 +44,7 @@ from dsa_image.core.site_path import pythonpath
 from dsa_image.serving.launch import environment, vllm_args
 from dsa_image.serving.recipes import ServeRecipe, attention_backend, kv_cache_dtype, load_serve_recipe, serve_recipe_names
 from dsa_image.harness.server import answered, prompts, stop
+from dsa_image.core import status
 
 SCALED_TARGET = "sm90"
 LONG_PROMPT = 3000  # > index_topk (2048): the prefill reaches the indexer
@@ -239,9 +240,11 @@ def _healthy(port: int) -> bool:
         return False
 
 
-class PortBusy(RuntimeError):
+class PortBusy(status.DsaImageError, RuntimeError):
     """The port already accepts connections: a server (one left by an earlier, killed call?) would
     answer in place of the one this call starts."""
+
+    exit_code = status.USAGE
 
 
 def port_accepts(port: int, host: str = "127.0.0.1") -> bool:

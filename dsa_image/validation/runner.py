@@ -22,16 +22,19 @@ from typing import Callable
 
 from dsa_image.build import realwidth_model
 from dsa_image.core.site_path import pythonpath
+from dsa_image.core import status
 
 REPO = Path(__file__).resolve().parents[2]
-OK, FAILED = 0, 1
-INCOMPLETE = 4  # a step that ran what it could and leaves the rest to a later call
+OK, FAILED, REFUSED = status.SUCCESS, status.FAILED, status.REFUSED
+INCOMPLETE = status.INCOMPLETE  # a step that ran what it could and leaves the rest to a later call
 MARGIN_S = 20.0  # what a phase keeps after its harness: collecting the results
 INTERRUPT_GRACE_S = 60.0  # an interrupted harness's time to stop its servers (30 s each, at most)
 
 
-class Refused(Exception):
+class Refused(status.DsaImageError):
     """A phase's inputs are missing: the message says what and which phase makes them."""
+
+    exit_code = status.REFUSED
 
 
 # -- where a base keeps its things ------------------------------------------------------------------
@@ -141,7 +144,7 @@ class Session:
         """Run `cmd`, in /tmp as the harnesses expect, its output to `log_path` (printed after
         with `echo`) or printed; its stderr with it, or to `errors`. Cut off at `limit` seconds or `keep` seconds before the deadline:
         `stop_signal` to its process group (SIGINT: a Python harness stops its servers in its
-        finally blocks), SIGKILL after `grace` seconds. Returns its exit status, 124 when cut off
+        finally blocks), SIGKILL after `grace` seconds. Returns its exit status, status.TIMED_OUT (124) when cut off
         (as timeout(1) does)."""
         environ = {k: v for k, v in os.environ.items() if k not in unset}
         environ.update(env or {})
@@ -160,7 +163,7 @@ class Session:
             except subprocess.TimeoutExpired:
                 print(f"cut off after {timeout:.0f} s (the deadline): {shlex.join(map(str, cmd[:5]))} ...", flush=True)
                 self._stop(proc, stop_signal, grace)
-                return 124
+                return status.TIMED_OUT
         finally:
             for opened in (sink, error_sink):
                 if hasattr(opened, "close"):

@@ -30,10 +30,7 @@ Records made before this runner (docs/validation/*/, docs/benchmarks/*/) ran the
 scripts/h200_validation.sh, whose environment variables docs/validation/README.md maps to
 these options.
 
-Exit codes: 0 every phase ran and passed; 1 a phase failed; 2 usage (an unknown base or phase,
-an option a phase needs); 3 a phase was refused, its inputs missing; 4 a phase was not reached
-before the deadline, or did not finish (upstream: test files left for the next call). Of
-several, the first of 1, 3, 4.
+Exit codes: --help lists them (EXIT_CODES).
 """
 
 from __future__ import annotations
@@ -49,11 +46,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from dsa_image.core import status
 from dsa_image.core.recipe import RecipeError, load_recipe
 from dsa_image.validation import phases as ph
-from dsa_image.validation.runner import FAILED, INCOMPLETE, OK, Paths, Refused, Session, log
+from dsa_image.validation.runner import FAILED, INCOMPLETE, OK, REFUSED, Paths, Refused, Session, log
 
-USAGE, REFUSED, NOT_REACHED = 2, 3, 4
+USAGE = status.USAGE
+EXIT_CODES = status.epilog(
+    (OK, "every phase ran and passed"), (FAILED, "a phase failed"),
+    (USAGE, "usage: an unknown base or phase, an option a phase needs"),
+    (REFUSED, "a phase was refused, its inputs missing (the message names the phase that makes them)"),
+    (INCOMPLETE, "a phase was not reached before the deadline, or did not finish (upstream: test files left for "
+                 "the next call)"),
+    notes=(f"Of several, the first of {FAILED}, {REFUSED}, {INCOMPLETE}.",))
 DEFAULT_DEADLINE_S = 540.0
 # These GPUs are shared: NVLink multicast stays off in NCCL, PyTorch and NVSHMEM, and FlashInfer's
 # all-reduce (vLLM 0.33.0's default, GLM-5's fused all-reduce + RMSNorm) takes its TRT-LLM
@@ -119,7 +124,7 @@ PHASES = {p.name: p for p in (
           ("upstream_bundle", "upstream_timeout_s", "upstream_deadline_s", "upstream_jobs"), _s(180),
           "vLLM's own tests that import an overlaid module (scripts/upstream_tests.py gate, docs/upstream-tests.md), "
           "each selected file on stock and on the overlay, two at once, compared test by test; a later call "
-          "resumes what is left (not finished: exit 4)", collects=False),
+          f"resumes what is left (not finished: exit {INCOMPLETE})", collects=False),
     Phase("hosttime", (ph.need_model,), (ph.hosttime,), (), _s(60),
           "build() host time, stock and overlay interleaved in one process", collects=False),
     Phase("toolchain", (ph.need_model, ph.need_wheels), _env((ph.toolchain,)), (), _s(420),
@@ -146,7 +151,8 @@ PHASES = {p.name: p for p in (
     Phase("b12x", (ph.need_model,), _env((ph.b12x,)), (), _s(130),
           "the overlay's b12x path with b12x's kernels emulated: exactness, cross-checks, the workspace"),
     Phase("selftest", (ph.need_sites,), _env((ph.selftest,)), (), _s(130),
-          "dsa_image.runtime.selftest with this GPU's kernels, its refusal of b12x here and a broken kernel (0, 4, 1)"),
+          "dsa_image.runtime.selftest with this GPU's kernels, its refusal of b12x here and a broken kernel "
+          f"({OK}, {REFUSED}, {FAILED})"),
     Phase("b12xserve", (ph.need_model,), _env((ph.b12xserve,)), (), _s(320),
           "the tiny GLM-5 served on the emulated b12x path beside stock, CUDA graphs on"),
     Phase("cluster", (ph.need_cluster,), _env((ph.cluster,)), ("cluster_layouts", "cluster_args",
@@ -186,7 +192,7 @@ DEFAULTS = argparse.Namespace(warmstart_steps=None)  # the seconds --help shows:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="gpu_validation.py", description=__doc__.splitlines()[0],
-                                     epilog=phase_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=phase_table() + "\n" + EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("phases", nargs="+", metavar="PHASE", help="one or more phases, run in the order given")
     parser.add_argument("--vllm", help="the base: one of the recipe's vLLM releases (default: its default)")
     parser.add_argument("--work-root", type=Path, default=Path("/tmp"), help="where every base keeps its things")
@@ -306,9 +312,9 @@ def report(opts: argparse.Namespace, paths: Paths, record: list[dict], seconds: 
     with (paths.out / "session.jsonl").open("a") as f:
         f.write(json.dumps(line) + "\n")
     statuses = {r["status"] for r in record}
-    for status, code in (("failed", FAILED), ("refused", REFUSED), ("not reached", NOT_REACHED),
-                         ("incomplete", NOT_REACHED)):
-        if status in statuses:
+    for said, code in (("failed", FAILED), ("refused", REFUSED), ("not reached", INCOMPLETE),
+                       ("incomplete", INCOMPLETE)):
+        if said in statuses:
             return code
     return OK
 

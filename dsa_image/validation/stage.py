@@ -34,6 +34,7 @@ from typing import BinaryIO
 from dsa_image.build import lock, lock_parse
 from dsa_image.core import wheels
 from dsa_image.core.recipe import Recipe, RecipeError, load_recipe
+from dsa_image.core import status
 
 REPO = Path(__file__).resolve().parents[2]
 H200_RECORD = REPO / "recipes" / "hosts" / "h200-pip-freeze.txt"
@@ -65,8 +66,10 @@ def platform_args() -> list[str]:
     return ["--python-version", PYTHON, "--implementation", "cp"] + [a for t in tags for a in ("--platform", t)]
 
 
-class StageError(Exception):
+class StageError(status.DsaImageError):
     """The locks, the H200 record or a download are not what staging needs; says what to do."""
+
+    exit_code = status.USAGE
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ base's lock pins (a local label such as +cu130 aside); libcublas and libcudnn fr
 tree; and with torch in SITE, every CUDA library of torch's from SITE. With torch from the
 H200's venv (vLLM 0.24.0), libraries SITE also holds (the pip CUDA toolkit's cudart and curand)
 may be preloaded from SITE too, as torch 2.11.0 does: they are listed, not refused.
-Exit codes: 0 as expected; 1 not (each difference named); 2 usage; 3 no CUDA device.
+Exit codes: --help lists them (EXIT_CODES).
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from dsa_image.core import status
+
+EXIT_CODES = status.epilog((status.SUCCESS, "as expected"), (status.FAILED, "not (each difference named)"),
+                           status.USAGE, (status.NO_GPU, "no CUDA device visible"))
 
 # The libraries the check requires from torch's tree: two that a tiny matmul and convolution
 # are sure to load, and whose versions differ between the bases.
@@ -108,7 +113,7 @@ def _load(expected_version: str, site: Path) -> int:
 
     if not torch.cuda.is_available():
         print("torch_libs: no CUDA device visible", file=sys.stderr)
-        return 3
+        return status.NO_GPU
     x = torch.randn(64, 64, device="cuda")
     (x @ x).sum().item()
     image = torch.randn(1, 3, 16, 16, device="cuda")
@@ -124,11 +129,12 @@ def _load(expected_version: str, site: Path) -> int:
     for line in problems:
         print(f"FAIL {line}", file=sys.stderr)
     print("TORCH LIBRARIES: " + ("FAIL" if problems else "as expected"))
-    return 1 if problems else 0
+    return status.FAILED if problems else status.SUCCESS
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("Exit codes:")[1])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm", metavar="VERSION",
                         help="the base whose lock's torch is expected (default: the recipe's default)")
     parser.add_argument("--site", type=Path, required=True, help="the site dir first on PYTHONPATH")
