@@ -78,7 +78,8 @@ def test_ci_registers_qemu_then_builds_and_checks_the_arm64_image(tmp_path):
     assert qemu < arm64_base < arm64_step, "QEMU must be registered before anything arm64 runs"
     assert calls[arm64_step] == "build_arm64.py --base-image dsa-image-base:bookworm-arm64"
     assert _index(calls, "test.py") < arm64_step
-    assert calls[_index(calls, "test.py")] == "test.py -ra -k something"
+    # --durations: a CI log names the slowest tests, so a run near its time limit shows where it went
+    assert calls[_index(calls, "test.py")] == "test.py -ra --durations=25 -k something"
 
 
 def test_ci_fails_when_the_arm64_step_fails_though_the_tests_passed(tmp_path):

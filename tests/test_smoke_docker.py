@@ -26,6 +26,7 @@ docker = pytest.importorskip("docker", reason="the Docker SDK (`docker`) is in t
 from docker.errors import APIError, DockerException, NotFound  # noqa: E402
 
 from dsa_image.core.recipe import load_recipe  # noqa: E402
+from dsa_image.core import status  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke.docker_runtime import SMOKE_LABEL, DockerServer  # noqa: E402
 from dsa_image.smoke.layout import GpuRequest  # noqa: E402
@@ -525,7 +526,7 @@ def test_real_image_without_a_gpu_fails_cleanly(docker_client, runtime_image, tm
 @pytest.mark.docker
 @pytest.mark.slow
 def test_real_image_without_a_gpu_request_exits_early_with_its_log(docker_client, runtime_image, tmp_path):
-    """Started without a GPU request, the image refuses to serve in one line (exit 3, no
+    """Started without a GPU request, the image refuses to serve in one line (NO_GPU, no
     traceback): the exit code and that line are in the report, and the container is gone."""
     if query_gpus().get("gpus"):
         pytest.skip("this host has a GPU")
@@ -534,7 +535,7 @@ def test_real_image_without_a_gpu_request_exits_early_with_its_log(docker_client
     report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
     assert done.returncode == 1, done.stderr[-3000:]
     reason = report["checks"][0]["reason"]
-    assert "exited with code 3" in reason, reason
+    assert f"exited with code {status.NO_GPU}" in reason, reason
     log = (tmp_path / "out" / "server.log").read_text()
     assert "dsa-image: no usable NVIDIA GPU is visible" in log and "Traceback" not in log
     assert log.strip() and log.strip()[-200:] in report["log_tail"]
