@@ -92,9 +92,10 @@ ARG PYTHON_VERSION
 ENV CUDA_HOME=/opt/venv/lib/python${PYTHON_VERSION}/site-packages/nvidia/cu13
 ENV PATH=${CUDA_HOME}/bin:${PATH}
 # One hash-locked set, common to all targets: only this file (bind-mounted, so it is not in a
-# layer) decides whether this step re-runs. pip's cache lives in a BuildKit cache mount.
+# layer) decides whether this step re-runs. pip's cache lives in a BuildKit cache mount, one per
+# architecture: CI builds arm64 beside the amd64 tests, and one locked cache would serialize them.
 RUN --mount=type=bind,from=pins,source=/pins/vllm.txt,target=/tmp/dsa-image/vllm.lock \
-    --mount=type=cache,id=dsa-image-pip,target=/root/.cache/pip,sharing=locked \
+    --mount=type=cache,id=dsa-image-pip-${TARGETARCH},target=/root/.cache/pip,sharing=locked \
     --mount=type=secret,id=pip-ca \
     if [[ -f /run/secrets/pip-ca ]]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
     pip install --require-hashes --no-deps --index-url https://pypi.org/simple -r /tmp/dsa-image/vllm.lock; \
@@ -124,11 +125,13 @@ RUN if [[ -z "${TARGET}" || -z "${CUDA_ARCH_LIST}" || -z "${VLLM_VERSION}" || -z
 # pip check then accepts exactly the conflicts the recipe overrides (b12x's torch floor).
 RUN --mount=type=bind,from=pins,source=/pins,target=/tmp/dsa-image/pins \
     --mount=type=bind,source=dsa_image/__init__.py,target=/tmp/dsa-image/tool/dsa_image/__init__.py \
-    --mount=type=bind,source=dsa_image/core,target=/tmp/dsa-image/tool/dsa_image/core \
+    --mount=type=bind,source=dsa_image/core/__init__.py,target=/tmp/dsa-image/tool/dsa_image/core/__init__.py \
+    --mount=type=bind,source=dsa_image/core/recipe.py,target=/tmp/dsa-image/tool/dsa_image/core/recipe.py \
+    --mount=type=bind,source=dsa_image/core/status.py,target=/tmp/dsa-image/tool/dsa_image/core/status.py \
     --mount=type=bind,source=dsa_image/build/__init__.py,target=/tmp/dsa-image/tool/dsa_image/build/__init__.py \
     --mount=type=bind,source=dsa_image/build/pip_check.py,target=/tmp/dsa-image/tool/dsa_image/build/pip_check.py \
     --mount=type=bind,source=scripts/pip_check.py,target=/tmp/dsa-image/tool/scripts/pip_check.py \
-    --mount=type=cache,id=dsa-image-pip,target=/root/.cache/pip,sharing=locked \
+    --mount=type=cache,id=dsa-image-pip-${TARGETARCH},target=/root/.cache/pip,sharing=locked \
     --mount=type=secret,id=pip-ca \
     if [[ -s /tmp/dsa-image/pins/extras.txt ]]; then \
         if [[ -f /run/secrets/pip-ca ]]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
@@ -141,7 +144,9 @@ RUN --mount=type=bind,from=pins,source=/pins,target=/tmp/dsa-image/pins \
 RUN --mount=type=bind,source=dsa_image/__init__.py,target=/tmp/dsa-image/tool/dsa_image/__init__.py \
     --mount=type=bind,source=dsa_image/build/__init__.py,target=/tmp/dsa-image/tool/dsa_image/build/__init__.py \
     --mount=type=bind,source=dsa_image/build/arch_check.py,target=/tmp/dsa-image/tool/dsa_image/build/arch_check.py \
-    --mount=type=bind,source=dsa_image/core,target=/tmp/dsa-image/tool/dsa_image/core \
+    --mount=type=bind,source=dsa_image/core/__init__.py,target=/tmp/dsa-image/tool/dsa_image/core/__init__.py \
+    --mount=type=bind,source=dsa_image/core/dist_info.py,target=/tmp/dsa-image/tool/dsa_image/core/dist_info.py \
+    --mount=type=bind,source=dsa_image/core/status.py,target=/tmp/dsa-image/tool/dsa_image/core/status.py \
     --mount=type=bind,source=scripts/arch_check.py,target=/tmp/dsa-image/tool/scripts/arch_check.py \
     python -B /tmp/dsa-image/tool/scripts/arch_check.py toolchain --cuda-arch "${CUDA_ARCH_LIST}"; \
     python -B /tmp/dsa-image/tool/scripts/arch_check.py extensions --cuda-arch "${CUDA_ARCH_LIST}" \

@@ -1,8 +1,8 @@
 """CI builds the sm120 arm64 image (DGX Spark) under QEMU and checks it.
 
 * `.ci/run`, run for real in a copy whose helper scripts are stubs that log their calls: it
-  registers QEMU before anything arm64, makes the arm64 base, runs the arm64 step with it after
-  the tests whatever their result, and fails when either fails.
+  registers QEMU before anything arm64, makes the arm64 base, runs the arm64 step with it beside
+  the tests (its output after theirs) whatever their result, and fails when either fails.
 * `scripts/build_arm64.py` against a fake `docker` CLI: it bakes sm120 for linux/arm64 with the
   given base, runs the arch checks, `uname -m` and `verify` in that image, and fails when one of
   them fails or the image is not arm64; it builds nothing when QEMU is not ready.
@@ -36,6 +36,7 @@ on_aarch64 = pytest.mark.skipif(platform.machine() == "aarch64", reason="arm64 r
 SHELL_STUB = '#!/usr/bin/env bash\necho "{name} $*" >> "$CI_CALLS"\nexit "${{CI_EXIT_{var}:-0}}"\n'
 PYTHON_STUB = ('import os, sys\nwith open(os.environ["CI_CALLS"], "a") as f:\n'
                '    f.write(" ".join(["{name}", *sys.argv[1:]]) + "\\n")\n'
+               'print("{name}: its output")\n'
                'sys.exit(int(os.environ.get("CI_EXIT_{var}", "0")))\n')
 HELPERS = ["install_docker.sh", "install_qemu.sh", "bootstrap_base_image.sh", "test.py", "build_arm64.py",
            "lint.py", "release_check.py"]
@@ -77,9 +78,19 @@ def test_ci_registers_qemu_then_builds_and_checks_the_arm64_image(tmp_path):
     arm64_step = _index(calls, "build_arm64.py")
     assert qemu < arm64_base < arm64_step, "QEMU must be registered before anything arm64 runs"
     assert calls[arm64_step] == "build_arm64.py --base-image dsa-image-base:bookworm-arm64"
-    assert _index(calls, "test.py") < arm64_step
     # --durations: a CI log names the slowest tests, so a run near its time limit shows where it went
     assert calls[_index(calls, "test.py")] == "test.py -ra --durations=25 -k something"
+
+
+def test_ci_builds_arm64_beside_the_tests_and_prints_its_output_after_theirs(tmp_path):
+    """Started before the tests (cold, the two in a row outran CI's 90 minutes), the arm64 step's
+    output goes to a file and is printed once the tests end, not interleaved with theirs."""
+    done, calls = run_ci(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "build_arm64.py: its output" not in done.stdout
+    after_tests = done.stderr.split("ci: tests finished", 1)[1]
+    assert "build_arm64.py: its output" in after_tests.split("ci: arm64 image step finished", 1)[0]
+    assert (tmp_path / "build" / "logs" / "ci-arm64-step.txt").read_text() == "build_arm64.py: its output\n"
 
 
 def test_ci_fails_when_the_arm64_step_fails_though_the_tests_passed(tmp_path):

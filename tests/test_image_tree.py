@@ -143,3 +143,28 @@ def test_no_module_is_longer_than_one_reader_holds():
     long = {str(p.relative_to(REPO)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them at a seam): {long}"
+
+
+def tool_mounts() -> list[tuple[set[Path], set[Path]]]:
+    """Each Dockerfile RUN that bind-mounts our code from the build context: (the dsa_image files
+    it mounts, the scripts it mounts). A mounted folder counts as all of its modules."""
+    steps = []
+    for line in re.sub(r"\\\n\s*", " ", (REPO / "Dockerfile").read_text()).splitlines():
+        sources = re.findall(r"--mount=type=bind,source=((?:dsa_image|scripts)[^,\s]*)", line)
+        if line.startswith("RUN") and sources:
+            paths = [REPO / source for source in sources]
+            files = {f for p in paths if "dsa_image" in p.parts
+                     for f in (p.rglob("*.py") if p.is_dir() else {p}) if "__pycache__" not in f.parts}
+            steps.append((files, {p for p in paths if p.suffix == ".py" and "scripts" in p.parts}))
+    return steps
+
+
+def test_a_build_step_mounts_exactly_the_code_its_script_imports():
+    """A bind mount is part of its step's cache key: a step that mounted all of dsa_image/core
+    re-ran its pip install (and, under QEMU, the arm64 image's) for any new module there."""
+    steps = [(files, scripts) for files, scripts in tool_mounts() if scripts]
+    assert len(steps) >= 2, "expected the extras step's pip_check and the arch check"
+    for files, scripts in steps:
+        needed = closure(scripts) - scripts
+        assert files == needed, (f"{sorted(s.name for s in scripts)}: mounts {sorted(str(f.relative_to(REPO)) for f in files - needed)} "
+                                 f"it does not import, misses {sorted(str(f.relative_to(REPO)) for f in needed - files)}")
