@@ -25,7 +25,7 @@ from dsa_image.core.recipe import load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke.report import LOG_NAME, REPORT_NAME, Report  # noqa: E402
 from dsa_image.smoke.run import StartError, print_summary, run_smoke, wait_healthy  # noqa: E402
-from dsa_image.smoke.http import Client  # noqa: E402
+from dsa_image.harness.client import Client  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE = REPO / "scripts" / "smoke.py"
