@@ -160,13 +160,13 @@ def test_deepgemm_without_mx_scales_is_not_refused(monkeypatch):
     selftest.DeepGemmKernels(version="0.24.0").check_covered()
 
 
-def test_an_unreadable_vllm_is_an_error_in_one_line(monkeypatch, capsys):
+def test_an_unreadable_vllm_is_a_broken_environment_in_one_line(monkeypatch, capsys):
     def unreadable():
         raise DistInfoError("expected one vllm-*.dist-info/METADATA with a Version, found none")
 
     monkeypatch.setattr(selftest, "gpu_or_none", lambda: ("NVIDIA H200", (9, 0)))
     monkeypatch.setattr(selftest, "installed_vllm_version", unreadable)
-    assert selftest.main([]) == selftest.ERROR
+    assert selftest.main([]) == selftest.BROKEN_ENV == 4
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "DistInfoError: expected one vllm-*.dist-info" in err
 

@@ -15,7 +15,7 @@ from test_smoke_fakes import FakeServer, FakeVllm, startup_log  # noqa: E402
 from dsa_image.core.recipe import RecipeError, load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke import expect, gpu  # noqa: E402
-from dsa_image.smoke.http import Client  # noqa: E402
+from dsa_image.harness.client import Client  # noqa: E402
 from dsa_image.build.tiny_model import CONFIG  # noqa: E402
 
 # The fakes play vLLM 0.24.0 (its dist-info, image label and log: FLASHMLA_SPARSE on sm_90); the

@@ -25,7 +25,7 @@ from dsa_image.core.recipe import load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402
 from dsa_image.smoke.report import LOG_NAME, REPORT_NAME, Report  # noqa: E402
 from dsa_image.smoke.run import StartError, print_summary, run_smoke, wait_healthy  # noqa: E402
-from dsa_image.smoke.http import Client  # noqa: E402
+from dsa_image.harness.client import Client  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SMOKE = REPO / "scripts" / "smoke.py"
@@ -311,7 +311,7 @@ def test_local_runtime_runs_every_check_and_kills_the_process_group(tmp_path, fa
     assert report["failed_checks"] == ["overlay_verify", "indexer_selftest"], err
     assert proc.returncode == 1
     assert "receipt" in checks["overlay_verify"]["reason"]
-    assert "selftest exited 9" in checks["indexer_selftest"]["reason"], checks["indexer_selftest"]["reason"]
+    assert "selftest exited 4" in checks["indexer_selftest"]["reason"], checks["indexer_selftest"]["reason"]
     assert "needs the environment that serves" in checks["indexer_selftest"]["reason"]
     assert report["python"]["executable"] == sys.executable and report["versions"]["vllm_installed"] == "0.24.0"
     argv = json.loads(Path(files["FAKE_VLLM_ARGV_FILE"]).read_text())

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import json
 import os
 import random
 import re
@@ -16,13 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Callable
 
 from dsa_image.build import model_info_cache
 from dsa_image.core.compile_caches import cache_env
+from dsa_image.harness.client import Client
 from dsa_image.core.site_path import pythonpath
 
 SERVED_NAME = "glm-5"
@@ -118,11 +116,7 @@ def is_healthy(server) -> bool:
     if server["proc"].poll() is not None:
         raise RuntimeError(f"{server['name']} exited with {server['proc'].returncode}"
                            f" before becoming healthy; see {server['log']}")
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server['port']}/health", timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
+    return Client.local(server["port"]).status("/health") == 200
 
 
 def wait_all_healthy(servers, deadline) -> dict:
@@ -144,18 +138,15 @@ def wait_all_healthy(servers, deadline) -> dict:
 
 
 def complete(port: int, prompt: list[int]) -> dict:
-    body = json.dumps({
+    payload = {
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
         "temperature": 0.0, "logprobs": TOP_LOGPROBS, "return_token_ids": True,
         # Top-logprob keys as "token_id:N": as token strings, lone byte tokens of the tiny
         # byte-level tokenizer may all decode to one replacement character, one key for several.
         "return_tokens_as_token_ids": True,
         "ignore_eos": True,
-    }).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        choice = json.load(r)["choices"][0]
+    }
+    choice = Client.local(port, timeout_s=300).post("/v1/completions", payload).body["choices"][0]
     return parse_choice(choice, TOP_LOGPROBS)
 
 

@@ -97,7 +97,7 @@ WARMUP_ENV = {
 }
 
 
-class EntrypointError(Exception):
+class EntrypointError(status.DsaImageError):
     """The container cannot start as asked; the message says what to do."""
 
     exit_code = IMAGE_PROBLEM
@@ -352,7 +352,8 @@ MODES: dict[str, Mode] = {
                      "run the DSA indexer kernels this image uses on this GPU (b12x on sm_120/121, DeepGEMM "
                      "on sm_90/sm_100) against the torch reference on seeded inputs, incl. a long prefill; "
                      f"prints a table; its exit codes: {status.SUCCESS} agree, {status.FAILED} mismatch, "
-                     f"{status.NO_GPU} no GPU, {status.REFUSED} refused for this GPU, {status.CRASHED} a kernel raised"),
+                     f"{status.NO_GPU} no GPU, {status.REFUSED} refused for this GPU, {status.ENVIRONMENT} torch or vLLM "
+                     f"missing or broken, {status.CRASHED} a kernel raised"),
     "recipe": Mode(_recipe, "--list | NAME [--dry-run] [--set KEY=VALUE ...] [-- VLLM ARGS]",
                    "a serving recipe (recipes/serve/): --list and --dry-run print the memory plan and the "
                    "docker / vllm commands per node, no GPU needed; NAME serves it in this container (one "

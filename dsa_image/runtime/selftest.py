@@ -38,6 +38,7 @@ from dsa_image.core import status
 
 OK, MISMATCH, USAGE, REFUSED, NO_GPU, ERROR = (status.SUCCESS, status.FAILED, status.USAGE, status.REFUSED,
                                               status.NO_GPU, status.CRASHED)
+BROKEN_ENV = status.ENVIRONMENT  # torch or vLLM missing or unreadable: not a kernel's fault
 EXIT_CODES = status.epilog(
     (OK, "every kernel agrees with the reference"),
     (MISMATCH, "mismatch: a kernel disagrees with the reference"),
@@ -45,8 +46,8 @@ EXIT_CODES = status.epilog(
     (REFUSED, "refused: the kernels asked for have no code for this GPU, or the self-test does not cover them here "
               "(DeepGEMM under vLLM 0.33.0 on the sm_100 family: MX-scaled inputs)"),
     (NO_GPU, "no NVIDIA GPU visible (torch.cuda sees none)"),
-    (ERROR, "a kernel raised (the table says which), or the environment that serves (torch, vLLM) is missing or "
-            "broken"))
+    (BROKEN_ENV, "the environment that serves (torch, vLLM) is missing or broken"),
+    (ERROR, "a kernel raised (the table says which)"))
 TOLERANCE = 2.0 ** -7
 BLOCK_SIZE = 64
 TIMED_RUNS = 3
@@ -633,7 +634,7 @@ def main(argv=None) -> int:
     except ImportError as exc:  # run outside the image, in a Python without torch
         print(f"selftest: error: {exc}: the self-test needs the environment that serves (torch and vLLM); "
               "run it in the image: docker run --gpus all IMAGE selftest", file=sys.stderr)
-        return ERROR
+        return BROKEN_ENV
     if gpu is None:
         print("selftest: no NVIDIA GPU visible (torch.cuda.is_available() is False): run it with "
               "GPUs, docker run --gpus all IMAGE selftest", file=sys.stderr)
@@ -646,7 +647,7 @@ def main(argv=None) -> int:
         return REFUSED
     except Exception as exc:  # noqa: BLE001 - the image's vLLM is broken or unreadable: one line
         print(f"selftest: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return ERROR
+        return BROKEN_ENV
     return report(kernels, gpu, args)
 
 
@@ -655,7 +656,7 @@ def report(kernels, gpu, args, device="cuda:0") -> int:
         cases = default_cases(_supertile() if kernels.family == "b12x" else 32768)
     except (ImportError, ValueError) as exc:  # the image's vLLM or a variable is broken
         print(f"selftest: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return ERROR
+        return BROKEN_ENV
     if args.broken and args.broken not in {c.name for c in cases}:
         print(f"selftest: --break {args.broken}: no such case ({', '.join(c.name for c in cases)})",
               file=sys.stderr)

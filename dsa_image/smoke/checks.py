@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dsa_image.smoke.expect import Expected, backend_problems
-from dsa_image.smoke.http import Client, HttpError
+from dsa_image.harness.client import Client, HttpError
 from dsa_image.smoke.layout import Layout, layout_problems
 from dsa_image.build.tiny_model import CONFIG as TINY_CONFIG
 from dsa_image.core import status

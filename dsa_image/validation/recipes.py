@@ -30,8 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ from dsa_image.core.recipe import RECIPES_DIR, Recipe, load_recipe
 from dsa_image.core.site_path import pythonpath
 from dsa_image.serving.launch import environment, vllm_args
 from dsa_image.serving.recipes import ServeRecipe, attention_backend, kv_cache_dtype, load_serve_recipe, serve_recipe_names
+from dsa_image.harness.client import Client, HttpError
 from dsa_image.harness.server import answered, prompts, stop
 from dsa_image.core import status
 
@@ -193,15 +192,13 @@ def scaled_runs(names: list[str], build: Recipe, gpus: int, recipes_dir: Path = 
 
 
 def _post(port: int, path: str, body: dict, timeout: float = 300) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    """The answer as {"status", "body"}; a failed request's status (None: nothing answered) and
+    the client's message, so that the run's record says what went wrong."""
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return {"status": r.status, "body": json.load(r)}
-    except urllib.error.HTTPError as exc:
-        return {"status": exc.code, "body": exc.read().decode(errors="replace")[:2000]}
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-        return {"status": None, "body": f"{type(exc).__name__}: {exc}"}
+        answer = Client.local(port, timeout_s=timeout).post(path, body)
+    except HttpError as exc:
+        return {"status": exc.status, "body": str(exc)}
+    return {"status": answer.status, "body": answer.body}
 
 
 def completion(port: int, served: str, prompt: list[int]) -> dict:
@@ -233,11 +230,7 @@ def chat_with_tool(port: int, served: str) -> dict:
 
 
 def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
+    return Client.local(port).status("/health") == 200
 
 
 class PortBusy(status.DsaImageError, RuntimeError):

@@ -1,5 +1,6 @@
-"""A small OpenAI-compatible HTTP client on urllib: the local runtime must work in a Python
-environment that has no `requests`."""
+"""The harnesses' one OpenAI-compatible HTTP client (smoke, validation, the shared server
+lifecycle): GET, POST, a server-sent-event stream, the status of a path. On urllib: the smoke
+test's local runtime must work in a Python environment that has no `requests`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from dsa_image.core import status
 
 
 class HttpError(status.DsaImageError):
-    """A request failed: no connection, a non-2xx status, or a body that is not JSON."""
+    """A request failed: no connection, a non-2xx status, or a body that is not JSON. `status`:
+    the HTTP status the server answered with, None when none answered."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -36,6 +42,11 @@ class Client:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
 
+    @classmethod
+    def local(cls, port: int, timeout_s: float = 120.0) -> "Client":
+        """A server this host started, on loopback."""
+        return cls(f"http://127.0.0.1:{port}", timeout_s)
+
     def _request(self, method: str, path: str, payload: Any = None) -> urllib.request.Request:
         data = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
@@ -46,7 +57,7 @@ class Client:
             return urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s)
         except urllib.error.HTTPError as e:
             body = e.read().decode(errors="replace")[:2000]
-            raise HttpError(f"{request.get_method()} {request.full_url}: HTTP {e.code}: {body}") from None
+            raise HttpError(f"{request.get_method()} {request.full_url}: HTTP {e.code}: {body}", e.code) from None
         except (urllib.error.URLError, OSError) as e:
             raise HttpError(f"{request.get_method()} {request.full_url}: {e}") from None
 
@@ -76,7 +87,7 @@ class Client:
             # json accepts NaN / Infinity literals: the checks must see them, not a parse error.
             body = json.loads(raw)
         except json.JSONDecodeError:
-            raise HttpError(f"{request.get_method()} {request.full_url}: not JSON: {raw[:500]!r}") from None
+            raise HttpError(f"{request.get_method()} {request.full_url}: not JSON: {raw[:500]!r}", status) from None
         return Response(status, body, seconds)
 
     def post_stream(self, path: str, payload: Any) -> StreamResponse:
