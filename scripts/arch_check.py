@@ -7,8 +7,7 @@
   arch_check.py toolchain --cuda-home DIR --cuda-arch 12.0,12.1
       CUDA_HOME's nvcc compiles and links a probe library carrying SASS for each
 
-Exit codes: 0 the check passed, 1 it failed (the message says what was expected and found),
-2 bad usage.
+Exit codes: below (EXIT_CODES, rendered by dsa_image/core/status.py).
 """
 
 from __future__ import annotations
@@ -22,6 +21,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsa_image.build import arch_check
+from dsa_image.core import status
+
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "the check passed"),
+    (status.FAILED, "it failed (the message says what was expected and found)"),
+    status.USAGE)
 
 
 def _capabilities(text: str) -> list[tuple[int, int]]:
@@ -33,7 +38,8 @@ def _capabilities(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cuobjdump", type=Path, help="default: CUDA_HOME/bin, PATH, then Triton's wheel")
     sub = parser.add_subparsers(dest="command", required=True)
     ext = sub.add_parser("extensions", help="check vLLM's compiled extensions")
@@ -59,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ok  {args.cuda_home}/bin/nvcc built a probe carrying {', '.join(map(str, codes))}")
     except arch_check.ArchCheckError as exc:
         print(f"arch_check: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return status.FAILED
+    return status.SUCCESS
 
 
 if __name__ == "__main__":

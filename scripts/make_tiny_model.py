@@ -5,8 +5,7 @@
     python3 scripts/make_tiny_model.py OUT_DIR
     python3 scripts/make_tiny_model.py --check DIR
 
-Exit codes: 0 written / identical; 1 the directory differs (--check) or cannot be written;
-2 usage error.
+Exit codes: --help (dsa_image/core/status.py renders them).
 """
 
 from __future__ import annotations
@@ -18,10 +17,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsa_image.build.tiny_model import TinyModelError, model_dir_differences, write_model  # noqa: E402
+from dsa_image.core import status  # noqa: E402
+
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "written; --check: identical"),
+    (status.FAILED, "--check: the directory differs (each difference printed); else it cannot be written"),
+    status.USAGE)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path, help="where to write the model (must not exist or be empty)")
     parser.add_argument("--check", action="store_true", help="compare DIR with what would be written; write nothing")
     args = parser.parse_args(argv)
@@ -31,15 +37,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.directory}: {line}", file=sys.stderr)
         if differences:
             print("regenerate it with: python3 scripts/make_tiny_model.py DIR", file=sys.stderr)
-        return 1 if differences else 0
+        return status.FAILED if differences else status.SUCCESS
     try:
         written = write_model(args.directory)
     except (TinyModelError, OSError) as e:
         print(f"make_tiny_model: {e}", file=sys.stderr)
-        return 1
+        return status.FAILED
     for path in written:
         print(path)
-    return 0
+    return status.SUCCESS
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 --vllm: the base the image was built on (default: the recipe's default); its extras say which
 conflicts are overridden.
 
-Exit codes: 0 nothing but recorded overrides; 1 other broken requirements (listed); 2 usage.
+Exit codes: below (EXIT_CODES, rendered by dsa_image/core/status.py).
 """
 
 from __future__ import annotations
@@ -18,11 +18,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsa_image.build import pip_check
+from dsa_image.core import status  # noqa: E402
 from dsa_image.core.recipe import DEFAULT_RECIPE, RECIPES_DIR, RecipeError, load_recipe  # noqa: E402
+
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "nothing broken but the conflicts the recipe overrides"),
+    (status.FAILED, "other broken requirements (listed)"),
+    (status.USAGE, "usage, or an unknown recipe, base or target"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True)
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
     parser.add_argument("--vllm", metavar="VERSION")
@@ -32,15 +39,15 @@ def main(argv: list[str] | None = None) -> int:
         target = load_recipe(args.recipe, args.recipes_dir, args.vllm).target(args.target)
     except RecipeError as exc:
         print(f"pip_check: {exc}", file=sys.stderr)
-        return 2
+        return status.USAGE
     output = pip_check.run_pip_check()
     found = pip_check.problems(output, target)
     if found:
         print("pip_check: broken requirements the recipe does not override:\n  " + "\n  ".join(found), file=sys.stderr)
-        return 1
+        return status.FAILED
     accepted = [str(c) for c in pip_check.parse_conflicts(output)[0]]
     print("pip_check: ok" + (f" (recipe overrides: {'; '.join(accepted)})" if accepted else ""))
-    return 0
+    return status.SUCCESS
 
 
 if __name__ == "__main__":

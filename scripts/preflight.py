@@ -11,8 +11,8 @@ HTTPS to PyPI is intercepted (then pip needs the host's CA bundle). Prints one l
 then the command. Nothing is built, pulled or changed. docs/image.md explains each part
 ("Hosts without a registry, a bridge or direct TLS").
 
-Exit codes: 0 the printed command should work here; 1 something must be done first (listed);
-2 bad usage.
+Exit codes: printed with the usage, `preflight.py --help` (EXIT_CODES, rendered by
+dsa_image/core/status.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,14 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from dsa_image.build import image_build
+from dsa_image.build import image_build  # noqa: E402
+from dsa_image.core import status  # noqa: E402
 from dsa_image.core.recipe import load_recipe  # noqa: E402
+
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "the printed command should work here"),
+    status.USAGE,
+    (status.ENVIRONMENT, "this host lacks something the build needs: do the FIRST steps listed"))
 
 
 def main(argv: list[str]) -> int:
@@ -33,7 +39,8 @@ def main(argv: list[str]) -> int:
     if len(argv) > 1 or (argv and (argv[0].startswith("-") or argv[0] not in [*recipe.targets, "test", "default"])):
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         print(f"TARGET: one of {', '.join([*recipe.targets, 'test', 'default'])}", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        print(EXIT_CODES, end="", file=sys.stderr)
+        return status.SUCCESS if argv and argv[0] in ("-h", "--help") else status.USAGE
     target = argv[0] if argv else "sm120"
     base = os.environ.get("BASE_IMAGE") or recipe.base_ref
     facts = image_build.host_facts(base, repo=REPO_ROOT)
@@ -45,8 +52,8 @@ def main(argv: list[str]) -> int:
     print(f"\n    {image_build.bake_invocation(result.options, target)}\n")
     if result.blockers:
         print(f"preflight: do the FIRST steps above, then run that command ({image_build.HOST_DOCS})")
-        return 1
-    return 0
+        return status.ENVIRONMENT
+    return status.SUCCESS
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import pytest
 
 from dsa_image.build import lock, lock_parse
 from dsa_image.build.lock_parse import Pin
+from dsa_image.core import status
 from dsa_image.core.recipe import load_recipe
 from dsa_image.validation import stage, torch_libs
 
@@ -135,8 +136,9 @@ def test_needed_refuses_an_extras_lock_that_moves_a_common_pin(monkeypatch):
         return text.replace("numpy==", "numpy==0.0.1.dev0+") if "sm120" in str(path) else text
 
     monkeypatch.setattr(stage, "_read_lock", moved)
-    with pytest.raises(stage.StageError, match="only add to the common lock, but moves numpy"):
+    with pytest.raises(stage.StageError, match="only add to the common lock, but moves numpy") as caught:
         stage.needed(NEW)
+    assert caught.value.exit_code == status.DRIFT  # pinned not as staging expects: re-lock
 
 
 # --- download, verify and bundle --------------------------------------------------------------
@@ -231,8 +233,9 @@ def test_a_staged_wheel_this_python_refuses_is_a_problem():
 
 def test_parse_freeze_refuses_a_line_that_is_not_a_pin():
     assert stage.parse_freeze("# recorded ...\nFoo_Bar==1.0\n\n", "f") == {"foo-bar": "1.0"}
-    with pytest.raises(stage.StageError, match="f:2: expected `name==version`"):
+    with pytest.raises(stage.StageError, match="f:2: expected `name==version`") as caught:
         stage.parse_freeze("a==1\nb @ file:///x\n", "f")
+    assert caught.value.exit_code == status.USAGE  # a malformed file
 
 
 def test_the_command_line_plans_without_downloading(capsys):
@@ -250,13 +253,13 @@ def test_check_freeze_on_the_command_line_exits_1_and_says_how_to_restage(tmp_pa
     freeze.write_text("numpy==1.0\n")
     selection = tmp_path / "selection.txt"
     selection.write_text("vllm==0.33.0  vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl  not on the H200\n")
-    assert stage.main(["--vllm", "0.33.0", "--check-freeze", str(freeze), "--staged", str(selection)]) == 1
+    assert stage.main(["--vllm", "0.33.0", "--check-freeze", str(freeze), "--staged", str(selection)]) == status.FAILED
     err = capsys.readouterr().err
     assert "--vllm 0.33.0 --h200-freeze h200-pip-freeze.txt" in err and "torch==2.14.0" in err
 
 
 def test_a_missing_record_is_refused_with_how_to_make_one(tmp_path, capsys):
-    assert stage.main(["--vllm", "0.33.0", "--plan", "--h200-freeze", str(tmp_path / "none.txt")]) == 2
+    assert stage.main(["--vllm", "0.33.0", "--plan", "--h200-freeze", str(tmp_path / "none.txt")]) == status.REFUSED
     assert "the inventory phase (`python3 scripts/gpu_validation.py inventory`) writes it" in capsys.readouterr().err
 
 

@@ -64,6 +64,7 @@ from dsa_image.runtime.spec_decode_metrics import (
 from dsa_image.harness import server as serving
 from dsa_image.harness.prompts import long_context_model, prompt_token_ids
 from dsa_image.harness.server import wait_each_healthy
+from dsa_image.core import status
 
 # With --deadline-s: what stopping the servers and writing the results may take after it.
 STOP_MARGIN_S = 60.0
@@ -318,7 +319,7 @@ def run(args, argv: list[str]) -> int:
     print(table([doc]))
     print(f"results: {path}")
     failed = "error" in doc or doc.get("group_errors") or any(w.get("failed") for w in doc["workloads"])
-    return 1 if failed else 0
+    return status.FAILED if failed else status.SUCCESS
 
 
 def run_groups(args, plan: Plan, servers: list[dict], doc: dict, path: Path, deadline: float | None) -> None:

@@ -24,8 +24,7 @@ F flag (scripts/install_qemu.sh; checked first, nothing is built without it).
 4. `docker run IMAGE verify`: the receipt is the one the build recorded (and the one
    docker-bake.json predicts), and overlay.py verify passes.
 
-Steps 2-4 run in the arm64 image on every run. Exit codes: 0 built and every check passed;
-1 QEMU is not ready, the build or a check failed (the message says which); 2 usage.
+Steps 2-4 run in the arm64 image on every run. Exit codes: --help (EXIT_CODES).
 """
 
 from __future__ import annotations
@@ -46,6 +45,10 @@ from dsa_image.core.recipe import Recipe, RecipeError, load_recipe
 from dsa_image.core import status
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "built and every check passed"),
+    (status.FAILED, "QEMU is not ready, the build or a check failed (the message says which)"),
+    (status.USAGE, "usage, or an unknown base (--vllm)"))
 
 TARGET = "sm120"
 PLATFORM = "linux/arm64"
@@ -231,7 +234,8 @@ def check_image(repo: Path, recipe: Recipe, image: str, cpu_mounts: tuple[tuple[
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm", metavar="VERSION", help="the recipe's base to build (default: its default)")
     parser.add_argument("--base-image", help="BASE_IMAGE for the bake, an arm64 image (default: the recipe's)")
     parser.add_argument("--log-dir", type=Path, default=REPO_ROOT / "build" / "logs",
@@ -242,7 +246,7 @@ def main(argv: list[str]) -> int:
         recipe = load_recipe(vllm=args.vllm)
     except RecipeError as exc:
         say(f"{exc}")
-        return 2
+        return status.USAGE
     try:
         qemu_ready(REPO_ROOT)
         image, _ = build(REPO_ROOT, recipe, args.base_image, args.log_dir)
@@ -255,6 +259,6 @@ def main(argv: list[str]) -> int:
             check_image(REPO_ROOT, recipe, image, cpu_mounts)
     except CheckFailed as exc:
         say(f"FAILED after {time.monotonic() - started:.0f} s: {exc}")
-        return 1
+        return status.FAILED
     say(f"passed: {image} built and checked in {time.monotonic() - started:.0f} s")
-    return 0
+    return status.SUCCESS

@@ -46,6 +46,11 @@ from dsa_image.core.atomic import write_atomic
 from dsa_image.core.wheels import sha256_file
 from dsa_image.core import status
 
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "built, checked (every artefact loads as built) or skipped"),
+    (status.FAILED, "build: a module did not build; check: the manifest cannot be read, or an artefact would not "
+                    "load as built (each problem printed)"),
+    status.USAGE)
 SCHEMA = 1
 # The FlashInfer modules the served path builds at start on every target -> the function in
 # flashinfer.jit that makes each one's spec. `sampling`: vLLM 0.33.0 samples top-k/top-p with
@@ -254,7 +259,7 @@ def check(manifest: Path) -> int:
         doc = json.loads(manifest.read_text())
     except (OSError, ValueError) as exc:
         print(f"precompile check: cannot read {manifest}: {exc}", file=sys.stderr)
-        return 1
+        return status.FAILED
     if doc.get("skipped"):
         print(f"precompile check: none shipped: {doc['skipped']}")
         return 0
@@ -266,13 +271,14 @@ def check(manifest: Path) -> int:
         print(f"precompile check: FlashInfer {art['module']} {art['arch']} {art['path']} sha256 {art['sha256'][:12]}…")
     if problems:
         print("precompile check: FAILED\n" + "\n".join(problems), file=sys.stderr)
-        return 1
+        return status.FAILED
     print(f"precompile check: {len(doc['artefacts'])} artefact(s) load as built (ninja: no work to do)")
-    return 0
+    return status.SUCCESS
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="compile the modules into WORKSPACE_BASE/.cache/flashinfer")
     b.add_argument("--cuda-arch", required=True,
@@ -280,7 +286,7 @@ def parse_args(argv):
     b.add_argument("--modules", default=",".join(MODULES), help=f"comma-separated, of {', '.join(MODULES)}")
     b.add_argument("--workspace-base", type=Path, required=True, help="FLASHINFER_WORKSPACE_BASE of the runtime")
     b.add_argument("--manifest", type=Path, required=True)
-    c = sub.add_parser("check", help="the manifest's artefacts load as built; exit 1 when not")
+    c = sub.add_parser("check", help=f"the manifest's artefacts load as built; exit {status.FAILED} when not")
     c.add_argument("--manifest", type=Path, required=True)
     s = sub.add_parser("skip", help="write a manifest that ships none, saying why")
     s.add_argument("--manifest", type=Path, required=True)
@@ -307,7 +313,7 @@ def main(argv=None) -> int:
         doc = build(caps, modules, args.workspace_base.resolve(), args.manifest)
     except (PrecompileError, arch_check.ArchCheckError) as exc:
         print(f"precompile: {exc}", file=sys.stderr)
-        return 1
+        return status.FAILED
     for art in doc["artefacts"]:
         print(f"precompile: FlashInfer {art['module']} {art['arch']}: {art['path']} ({art['bytes']} bytes, "
               f"sha256 {art['sha256']}) in {art['build_seconds']} s")

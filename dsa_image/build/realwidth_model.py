@@ -28,6 +28,7 @@ from pathlib import Path
 
 from dsa_image.serving import memory_plan
 from dsa_image.build import tiny_model
+from dsa_image.core import status
 from dsa_image.core.recipe import RECIPES_DIR
 from dsa_image.serving.recipes import load_model
 
@@ -35,6 +36,10 @@ MODEL_ID = "glm-5"  # recipes/models/glm-5.toml
 NAME = "glm5-realwidth"  # the directory the GPU session runner writes under its work root
 DEPTH = 4
 CHANGED = {"num_hidden_layers": DEPTH}
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "written; --check: identical"),
+    (status.FAILED, "--check: the directory differs (each difference printed); else it cannot be written"),
+    status.USAGE)
 
 
 def facts(recipes_dir: Path = RECIPES_DIR) -> dict:
@@ -86,7 +91,8 @@ def model_dir_differences(model_dir: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path, help="where to write the model (must not exist or be empty)")
     parser.add_argument("--check", action="store_true", help="compare DIR with what would be written; write nothing")
     args = parser.parse_args(argv)
@@ -96,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.directory}: {line}", file=sys.stderr)
         if differences:
             print("regenerate it with: python3 scripts/make_realwidth_model.py DIR", file=sys.stderr)
-        return 1 if differences else 0
+        return status.FAILED if differences else status.SUCCESS
     try:
         written = write_model(args.directory)
     except (tiny_model.TinyModelError, OSError) as exc:
         print(f"make_realwidth_model: {exc}", file=sys.stderr)
-        return 1
+        return status.FAILED
     for path in written:
         print(path)
-    return 0
+    return status.SUCCESS

@@ -8,13 +8,16 @@ imports `cutlass` on every GPU). Its .pth adds nvidia_cutlass_dsl/python_package
 vLLM 0.24.0) or nvidia_cutlass_dsl/dsl_packages (4.8.x, vLLM 0.33.0). Without it, stock vLLM
 0.33.0 served from such a site fails its first forward with "No module named 'cutlass'".
 
-Usage: python -m dsa_image.core.site_path SITE   (prints the PYTHONPATH)
+Usage: python -m dsa_image.core.site_path SITE   (prints the PYTHONPATH; exits SUCCESS, or USAGE
+when SITE is not one directory: dsa_image/core/status.py)
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from dsa_image.core import status
 
 CUTE_DSL_DIRS = ("nvidia_cutlass_dsl/python_packages", "nvidia_cutlass_dsl/dsl_packages")
 
@@ -29,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not os.path.isdir(args[0]):
         print(f"usage: python -m dsa_image.core.site_path SITE (a directory); got {args!r}", file=sys.stderr)
-        return 2
+        return status.USAGE
     print(pythonpath(args[0]))
-    return 0
+    return status.SUCCESS
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from dsa_image.bench import report, schedule, stats
 from dsa_image.records import store as records
+from dsa_image.core import status
 
 REPO = Path(__file__).resolve().parents[2]
 TRIGGERS = ("docs/validation/", "docs/benchmarks/", "docs/rebase/", "README.md", "recipes/hosts/",
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             found = CHECKS[name](tree)
             print(f"release check: {name}: {'FAIL' if found else 'PASS'}" + "".join(f"\n  - {p}" for p in found))
             failed += bool(found)
-    return 1 if failed else 0
+    return status.FAILED if failed else status.SUCCESS
 
 
 if __name__ == "__main__":

@@ -340,10 +340,13 @@ def excerpts(spec: Path, repo: Path = REPO) -> dict[Path, str]:
 
 # -- the command line ----------------------------------------------------------------------------
 
-USAGE = """exit codes: 0 ok; 1 `check` found a problem (each printed with what to do); 2 bad usage or
-input (no README, an unreadable archive, a loose file that differs from its packed namesake,
-a DEST that already holds a member); nothing is half-written: pack writes the archive, then the
-README, and only then removes the loose files (run it again after a crash)."""
+USAGE = status.epilog(
+    (status.SUCCESS, "ok"),
+    (status.FAILED, "`check` found a problem (each printed with what to do)"),
+    (status.USAGE, "bad usage or input (no README, an unreadable archive, a loose file that differs from its packed "
+                   "namesake, a DEST that already holds a member)"),
+    notes=("Nothing is half-written: pack writes the archive, then the README, and only then removes the loose "
+           "files (run it again after a crash).",))
 
 
 def _parser():
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "check":
             found = [p for record in args.records or record_dirs() for p in problems(record)]
             print("\n".join(found) or f"{len(args.records or record_dirs())} records intact")
-            return 1 if found else 0
+            return status.FAILED if found else status.SUCCESS
         elif args.command == "extract":
             print(f"{args.dest}: {len(extract(args.record, args.dest))} files")
         else:
@@ -385,5 +388,5 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{path}: {text.count(chr(10))} lines")
     except (RecordError, FileExistsError) as exc:
         print(f"records: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return status.USAGE
+    return status.SUCCESS

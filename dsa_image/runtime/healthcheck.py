@@ -133,6 +133,11 @@ def _say(line: str) -> None:
     print(line.encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
+# Docker's HEALTHCHECK codes, not ours to number: 0 healthy, 1 unhealthy. They are the table's
+# SUCCESS and FAILED (dsa_image/core/status.py's docstring), so those names say them.
+HEALTHY, UNHEALTHY = status.SUCCESS, status.FAILED
+
+
 def main(proc: Path = PROC) -> int:
     try:
         pid, args = find_server(proc)
@@ -142,15 +147,15 @@ def main(proc: Path = PROC) -> int:
         if ray is not None:  # a Ray node of the cluster modes, serving nothing itself (yet)
             problem = ray_node_problem(ray)
             _say(f"unhealthy: {problem}" if problem else "healthy: Ray node (ray start) running")
-            return 1 if problem else 0
+            return UNHEALTHY if problem else HEALTHY
         _say(f"unhealthy: {exc}")
-        return 1
+        return UNHEALTHY
     problem = probe(endpoint)
     if problem is None:
         warm = warm_problem(pid, proc)
         problem = f"{endpoint.url('/health')} answers, but {warm}" if warm else None
     _say(f"unhealthy: {problem}" if problem else f"healthy: {endpoint.url('/health')}")
-    return 1 if problem else 0
+    return UNHEALTHY if problem else HEALTHY
 
 
 if __name__ == "__main__":

@@ -299,15 +299,20 @@ def source_problem(bug: Bug, base: str, members: Iterable[tuple[str, str]], arte
 
 # -- command line --------------------------------------------------------------------------
 
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "each wheel's verdict printed"),
+    (status.FAILED, "the patterns do not tell for some wheel"),
+    (status.USAGE, "bad input: usage, an unknown bug or one without a [source], an unreadable wheel"))
+
 
 def main(argv: list[str] | None = None) -> int:
     """`python3 -m dsa_image.serving.workarounds verdict BUG WHEEL...`: what a bug's source evidence says
-    of any wheel (e.g. the releases around a fix, to find `fixed_in`). Exit 0; 1 when the patterns
-    do not tell for some wheel; 2 bad input."""
+    of any wheel (e.g. the releases around a fix, to find `fixed_in`)."""
     import argparse  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="python3 -m dsa_image.serving.workarounds", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m dsa_image.serving.workarounds", description=main.__doc__,
+                                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     reading = commands.add_parser("verdict", help="a bug's source verdict for each wheel given")
     reading.add_argument("bug", help="a file of recipes/bugs/ (its id)")
@@ -317,21 +322,21 @@ def main(argv: list[str] | None = None) -> int:
         bug = load_bugs(RECIPES_DIR).get(args.bug)
     except BugError as exc:
         print(f"workarounds: {exc}", file=sys.stderr)
-        return 2
+        return status.USAGE
     if bug is None or bug.source is None:
         print(f"workarounds: {args.bug}: no such bug with a [source] in {bugs_dir(RECIPES_DIR)}", file=sys.stderr)
-        return 2
-    code = 0
+        return status.USAGE
+    code = status.SUCCESS
     for wheel in args.wheels:
         try:
             verdict, found = source_verdict(bug.source, wheel_members(wheel, bug.source.files))
             print(f"{wheel.name}: {verdict}: {found}")
         except BugError as exc:
             print(f"{wheel.name}: unclear: {exc}")
-            code = 1
+            code = status.FAILED
         except (OSError, zipfile.BadZipFile) as exc:
             print(f"workarounds: {wheel}: {exc}", file=sys.stderr)
-            return 2
+            return status.USAGE
     return code
 
 

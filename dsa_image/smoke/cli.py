@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
+from dsa_image.core import status
 from dsa_image.core.recipe import DEFAULT_RECIPE, RecipeError, load_recipe
 from dsa_image.smoke.layout import BACKENDS, GpuRequest, Layout, LayoutError, positive_int, server_args_problem
 from dsa_image.smoke.owner import CLEANUP_COMMAND
@@ -18,6 +20,8 @@ USAGE = """\
 smoke.py --runtime docker --image IMAGE [--gpus all|N|device=I,J] [LAYOUT] [--target T] [--out DIR] [-- SERVER_ARG...]
 smoke.py --runtime local --python EXE [--site-packages DIR] [LAYOUT] [--target T] [--out DIR] [-- SERVER_ARG...]
 LAYOUT: [--tensor-parallel-size N] [--pipeline-parallel-size N] [--distributed-executor-backend mp|ray]"""
+
+INTERRUPTED = status.killed_by(signal.SIGINT)  # 130, whichever signal stopped the run
 
 EPILOG = f"""\
 Arguments after `--` go to the server (`vllm serve`), e.g. -- --enforce-eager --gpu-memory-utilization 0.15
@@ -31,12 +35,13 @@ on success, failure, timeout, Ctrl-C and SIGTERM. A container left by a docker r
 SIGKILL is removed by the next docker run once its owner is gone; others are named and kept.
 Every smoke container, when no smoke run is going on: {CLEANUP_COMMAND}
 
-exit codes:
-  0  every check passed
-  1  a check failed (the report says which and why)
-  2  bad usage or input (unknown target, no Docker engine, no such image or python; a layout over
-     more GPUs than visible, or their number unknown; the ray executor without an importable Ray)
-  130 interrupted (the report is still written)"""
+""" + status.epilog(
+    (status.SUCCESS, "every check passed"),
+    (status.FAILED, "a check failed (the report says which and why)"),
+    (status.USAGE, "bad usage or input (unknown target, no Docker engine, no such image or python; a layout over "
+                   "more GPUs than visible, or their number unknown; the ray executor without an importable Ray)"),
+    notes=(f"{INTERRUPTED} interrupted (Ctrl-C, SIGTERM or SIGHUP; the shell's code for SIGINT): the report is still "
+           "written.",)).rstrip("\n")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -194,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
             report.served_model_name = recipe.serving["served_model_name"]
         except (RecipeError, TinyModelError, StartError, LayoutError, OSError) as e:
             print(f"smoke: {e}", file=sys.stderr)
-            return 2
+            return status.USAGE
         report = run_smoke(server, report, recipe, target, args.out, args.health_timeout, args.request_timeout,
                            layout_of(args))
     print_summary(report, args.out / REPORT_NAME)
     if report.interrupted:
-        return 130
-    return 0 if report.passed else 1
+        return INTERRUPTED
+    return status.SUCCESS if report.passed else status.FAILED

@@ -26,7 +26,8 @@ table's last column). The prefills' small supertile is set through the base's b1
     PYTHONPATH=emulation:SITE:REPO python -m dsa_image.validation.b12x_glue --model DIR --json OUT \
         [--vllm 0.33.0]
 
-Exit 0 when every check passes. Needs a CUDA GPU, torch and vLLM with the overlay.
+Exits SUCCESS when every check passes, else FAILED (--help: EXIT_CODES). Needs a CUDA GPU,
+torch and vLLM with the overlay.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from dsa_image.validation import batches as B
+from dsa_image.core import status
 
+EXIT_CODES = status.epilog((status.SUCCESS, "every check passes"), (status.FAILED, "a check failed"), status.USAGE)
 SEED = 20261201
 TOPK = 2048
 HEAD_DIM = 128
@@ -496,7 +499,8 @@ def select_cases(cases: list[GlueCase], only: str | None) -> list[GlueCase]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the tiny GLM-5 model directory")
     parser.add_argument("--json", required=True, help="results file")
     parser.add_argument("--only", help="comma-separated case names")
@@ -542,7 +546,7 @@ def main(argv=None) -> int:
     print(json.dumps({k: report[k] for k in ("startup_refusal", "b12x_wheel_crosscheck", "workspace")},
                      indent=1, default=str)[:4000])
     print("B12X GLUE:", "PASS" if report["ok"] else "FAIL")
-    return 0 if report["ok"] else 1
+    return status.SUCCESS if report["ok"] else status.FAILED
 
 
 if __name__ == "__main__":

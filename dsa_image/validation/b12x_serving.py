@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from dsa_image.harness import server as serving
+from dsa_image.core import status
 
 SUPERTILE = "2048"
 KERNEL_LINE = re.compile(r"DSA sparse indexer kernels: (\w+)")
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: report[k] for k in ("recorded_ok", "ok", "logs", "stock_vs_b12x") if k in report},
                          indent=1))
         print("B12X SERVING (re-evaluated):", "PASS" if report["ok"] else "FAIL")
-        return 0 if report["ok"] else 1
+        return status.SUCCESS if report["ok"] else status.FAILED
     missing = [n for n in ("model", "stock_site", "overlay_site", "emulation", "repo", "out")
                if getattr(args, n) is None]
     if missing:
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
     (out / "serving-b12x.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(json.dumps(report, indent=1, default=str)[:6000])
     print("B12X SERVING:", "PASS" if report["ok"] else "FAIL")
-    return 0 if report["ok"] else 1
+    return status.SUCCESS if report["ok"] else status.FAILED
 
 
 if __name__ == "__main__":

@@ -38,8 +38,7 @@ A layout list is waves separated by spaces or commas; `+` runs layouts in one wa
 
 `run` writes DIR/<run>.json after each wave (the results so far survive a killed call) and the
 servers' and Ray nodes' logs under DIR/<run>/; `compare` reads those files (and cluster.json files
-of earlier calls) and writes cluster.json and cluster.md. Exit codes: 0 every run as expected,
-1 a run was not, 2 usage (a layout, method or plan refused, with the reason).
+of earlier calls) and writes cluster.json and cluster.md. Exit codes: --help (EXIT_CODES).
 
 Stdlib only, like the other validation harnesses (it starts vLLM and Ray, never imports them).
 
@@ -62,6 +61,7 @@ import time
 import uuid
 from pathlib import Path
 
+from dsa_image.core import status
 from dsa_image.harness import server as serving
 from dsa_image.validation import cluster_plan, vllm_base
 from dsa_image.validation.cluster_compare import build_problems, compare_runs, load_runs, markdown, run_verdict
@@ -89,6 +89,12 @@ __all__ = [
     "reference_for", "resolve_methods", "run_header", "run_verdict", "run_wave", "server_env_extra", "tagged_pids",
     "wait_servers", "worker_problems",
 ]
+
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "every run as expected (probe: a faithful isolation method works here)"),
+    (status.FAILED, "a run was not (probe: none works)"),
+    (status.USAGE, "usage: a layout, method or plan refused, with the reason; compare: no run results, or runs "
+                   "of more than one base"))
 
 
 # -- the call -----------------------------------------------------------------------------------
@@ -171,7 +177,7 @@ def run_call(args) -> int:
             print(f"{spec.name}: {'as expected' if run['ok'] else 'NOT as expected'}: {run.get('problems')}")
             all_ok &= run["ok"]
     print("CLUSTER RUNS (this call):", "PASS" if all_ok else "FAIL")
-    return 0 if all_ok else 1
+    return status.SUCCESS if all_ok else status.FAILED
 
 
 def compare_call(args) -> int:
@@ -179,7 +185,7 @@ def compare_call(args) -> int:
     if not runs:
         print(f"nothing to compare: no run results in {args.inputs} (expected DIR/<run>.json from `run`, or "
               "cluster.json)", file=sys.stderr)
-        return 2
+        return status.USAGE
     bases = {run.get("vllm") for run in runs.values()}
     if len(bases) > 1:
         # A run is compared with the mp run of its degrees by name: across bases that would set
@@ -188,7 +194,7 @@ def compare_call(args) -> int:
                           for b in sorted(bases, key=str))
         print(f"the inputs hold runs of more than one vLLM base ({named}); compare one base at a time",
               file=sys.stderr)
-        return 2
+        return status.USAGE
     doc = compare_runs(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,7 +202,7 @@ def compare_call(args) -> int:
     (out / "cluster.md").write_text(markdown(doc))
     print(markdown(doc))
     print("CLUSTER COMPARISON:", "PASS" if doc["ok"] else "FAIL")
-    return 0 if doc["ok"] else 1
+    return status.SUCCESS if doc["ok"] else status.FAILED
 
 
 def plan_call(args) -> int:
@@ -233,7 +239,8 @@ def cleanup_call(args) -> int:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("probe", help="which isolation methods work here")
     plan = sub.add_parser("plan", help="print the commands a run would start")
@@ -284,11 +291,11 @@ def main(argv=None) -> int:
         if args.command == "probe":
             probes = probe_isolation()
             print(json.dumps(probes, indent=1))
-            return 0 if any(probes[m]["ok"] for m in FAITHFUL) else 1
+            return status.SUCCESS if any(probes[m]["ok"] for m in FAITHFUL) else status.FAILED
         return {"plan": plan_call, "run": run_call, "compare": compare_call, "cleanup": cleanup_call}[args.command](args)
     except Refused as exc:
         print(f"CLUSTER: refused: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Usage: python -m dsa_image.validation.compare STOCK.pt OVERLAY.pt --json OUT.json
 
-Exit 0 when every scenario's metadata is equal, the overlay makes no
-synchronising call in build(), and the overlay-only checks pass.
+Exits SUCCESS when every scenario's metadata is equal, the overlay makes no synchronising call
+in build(), and the overlay-only checks pass (the codes: --help, EXIT_CODES).
 """
 
 from __future__ import annotations
@@ -12,6 +12,13 @@ import argparse
 import json
 import sys
 
+from dsa_image.core import status
+
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "every scenario's metadata equal, no synchronising call in build(), the overlay-only checks "
+                     "pass"),
+    (status.FAILED, "any of those not so (the table and the JSON say which)"),
+    status.USAGE)
 # Fields the overlay adds; stock has none of them, so they are checked on their
 # own (exact decode max) rather than against stock.
 OVERLAY_ONLY_FIELDS = {
@@ -112,7 +119,8 @@ def format_table(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stock")
     parser.add_argument("overlay")
     parser.add_argument("--json", required=True)
@@ -127,7 +135,7 @@ def main(argv=None) -> int:
     print(format_table(report))
     print(json.dumps(report["checks"], indent=1, default=str)[:6000])
     print("METADATA EQUIVALENCE:", "PASS" if report["ok"] else "FAIL")
-    return 0 if report["ok"] else 1
+    return status.SUCCESS if report["ok"] else status.FAILED
 
 
 if __name__ == "__main__":

@@ -23,8 +23,7 @@ reserves 1.7 GiB more that only the workspace lines explain.
 Stdlib only (and the repository). Usage:
     python -m dsa_image.validation.memory_check --model DIR LOG... [--json FILE]
 
-Exit codes: 0 every log agrees with the plan; 1 a log disagrees; 2 a log lacks a line the
-check needs, or bad input.
+Exit codes: --help (EXIT_CODES, rendered by dsa_image/core/status.py).
 """
 
 from __future__ import annotations
@@ -42,6 +41,11 @@ from dsa_image.core import status
 
 WEIGHTS_SLACK_GIB = 0.5
 ROUNDING_GIB = 0.01  # vLLM's format_gib rounds to two decimals
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "every log agrees with the plan"),
+    (status.FAILED, "a log disagrees"),
+    (status.USAGE, "a log lacks a line the check needs, or bad input (usage, an unreadable config.json)"),
+    notes=(f"Of several logs, {status.USAGE} before {status.FAILED}.",))
 BF16 = memory_plan.SCHEMES["bf16"]  # dummy weights in the model's dtype (the generators write bfloat16)
 
 VERSION = re.compile(r"Initializing a V1 LLM engine \(v(\d+\.\d+\.\d+)")
@@ -171,7 +175,8 @@ def summary(name: str, report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=Path, help="the model directory the servers served")
     parser.add_argument("--json", type=Path, help="write every log's report here")
     parser.add_argument("logs", nargs="+", type=Path, help="vLLM server logs")
@@ -180,21 +185,21 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.loads((args.model / "config.json").read_text())
     except (OSError, ValueError) as exc:
         print(f"memory check: {args.model}/config.json: {exc}", file=sys.stderr)
-        return 2
-    reports, status = {}, 0
+        return status.USAGE
+    reports, code = {}, status.SUCCESS
     for log in args.logs:
         try:
             reports[log.name] = check(cfg, log.read_text(errors="replace"))
         except (OSError, MemoryCheckError, ValueError) as exc:
             print(f"memory check: {log}: {exc}", file=sys.stderr)
-            reports[log.name], status = {"error": str(exc), "ok": False}, 2
+            reports[log.name], code = {"error": str(exc), "ok": False}, status.USAGE
             continue
         print(summary(log.name, reports[log.name]))
-        status = status or (0 if reports[log.name]["ok"] else 1)
+        code = code or (status.SUCCESS if reports[log.name]["ok"] else status.FAILED)
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1) + "\n")
-    print("MEMORY PLAN:", "PASS" if status == 0 else "FAIL")
-    return status
+    print("MEMORY PLAN:", "PASS" if code == status.SUCCESS else "FAIL")
+    return code
 
 
 if __name__ == "__main__":

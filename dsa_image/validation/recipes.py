@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                              args.timeout) for run in runs]
     except PortBusy as exc:
         print(f"RECIPES: refused: {exc}", file=sys.stderr)
-        return 2
+        return status.REFUSED
     # One device call may serve only some runs (--only): summary.json gathers them across calls.
     summary_path = args.out / "summary.json"
     previous = json.loads(summary_path.read_text())["runs"] if summary_path.is_file() else []
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1))
     this_call = all(r["ok"] for r in results)
     print("RECIPES SCALED DOWN (this call):", "PASS" if this_call else "FAIL")
-    return 0 if this_call else 1
+    return status.SUCCESS if this_call else status.FAILED
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import time
 from dsa_image.harness.server import (MAX_TOKENS, PREFILL_CHUNK_KERNELS, PROMPT_LENGTHS, compare,
                                       jit_kernels_during_inference, output_findings, prompts, run_requests,
                                       same_outputs, start_server, stop, wait_all_healthy)
+from dsa_image.core import status
 
 
 def verdict(report: dict) -> bool:
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
         json.dump(report, f, indent=1)
     print(json.dumps({k: v for k, v in report.items() if k != "sample_tokens"}, indent=1))
     print("SERVING EQUIVALENCE:", "PASS" if report["ok"] else "FAIL")
-    return 0 if report["ok"] else 1
+    return status.SUCCESS if report["ok"] else status.FAILED
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from dsa_image.harness import server as serving
 from dsa_image.harness.prompts import long_context_model, model_prompt_ids, prompt_token_ids
 from dsa_image.harness.server import wait_each_healthy
 from dsa_image.validation import vllm_base
+from dsa_image.core import status
 
 SHORT_PROMPTS = serving.PROMPT_LENGTHS
 # 65400 + 32 output tokens ends 104 tokens short of 65536: the widest block-table row a
@@ -465,7 +466,7 @@ def main(argv=None) -> int:
         # and which paths it covered.
         print(f"{name}: {'PASS' if report['ok'] else 'FAIL'}; {paths_summary(report['paths'])}")
     print("SERVING MODES:", "PASS" if doc["ok"] else "FAIL")
-    return 0 if doc["ok"] else 1
+    return status.SUCCESS if doc["ok"] else status.FAILED
 
 
 if __name__ == "__main__":

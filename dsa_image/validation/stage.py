@@ -49,6 +49,13 @@ BUNDLE = "bundle.tar"
 SELECTION = "selection.txt"
 SUMS = "SHA256SUMS"
 PYTHON = "3.12"  # the H200's Python
+EXIT_CODES = status.epilog(
+    (status.SUCCESS, "staged, planned, or (--check-freeze) every pin covered"),
+    (status.FAILED, "--check-freeze found pins neither staged nor on the H200"),
+    (status.USAGE, "usage, an unknown base, or a malformed record"),
+    (status.DRIFT, "the locks are not what staging needs (re-lock, as the message says)"),
+    (status.ENVIRONMENT, "a download, the wheel cache, git or a write failed, or the bundle cannot fit a call"),
+    (status.REFUSED, "the H200's record is missing (the inventory phase writes it)"))
 # The newest glibc a wheel that ran on the H200 required: llguidance 1.7.6 has only a
 # manylinux_2_31 wheel (the 0.24.0 runs installed it). The locks were resolved for
 # manylinux_2_28 (lock.PYTHON_PLATFORM) but pin such releases too. `--check-freeze` on the device
@@ -67,9 +74,16 @@ def platform_args() -> list[str]:
 
 
 class StageError(status.DsaImageError):
-    """The locks, the H200 record or a download are not what staging needs; says what to do."""
+    """The locks, the H200 record or a download are not what staging needs; says what to do.
+    ENVIRONMENT unless the raise says otherwise (DRIFT for the locks, USAGE for a malformed
+    record, REFUSED for a missing one)."""
 
-    exit_code = status.USAGE
+    exit_code = status.ENVIRONMENT
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
 @dataclass(frozen=True)
@@ -96,7 +110,7 @@ def needed(recipe: Recipe) -> dict[str, lock_parse.Pin]:
              for name, pin in extras.items() if name in common and common[name].version != pin.version]
     if moved:
         raise StageError(f"the sm120 lock must only add to the common lock, but moves {'; '.join(moved)}; "
-                         f"run `{lock.lock_command(recipe.vllm_version)}`")
+                         f"run `{lock.lock_command(recipe.vllm_version)}`", status.DRIFT)
     return {**common, **extras}
 
 
@@ -109,7 +123,7 @@ def parse_freeze(text: str, where: str) -> dict[str, str]:
         name, sep, version = line.strip().partition("==")
         if not sep or not name or not version:
             raise StageError(f"{where}:{number}: expected `name==version` (pip list --format=freeze), "
-                             f"found {line.strip()!r}")
+                             f"found {line.strip()!r}", status.USAGE)
         found[lock_parse.normalize(name)] = version
     return found
 
@@ -164,7 +178,7 @@ def plan(recipe: Recipe, present: dict[str, str]) -> list[Staged]:
     missing = [pin for pin in (*recipe.cuda_toolkit, *recipe.cluster_packages) if lock_parse.split_pin(pin) not in locked]
     if missing:
         raise StageError(f"the {recipe.vllm_version} locks lack the recipe's {', '.join(missing)}; "
-                         f"run `{lock.lock_command(recipe.vllm_version)}`")
+                         f"run `{lock.lock_command(recipe.vllm_version)}`", status.DRIFT)
     return selection(pins, present, torch_stack(via), toolkit_wheels(recipe))
 
 
@@ -344,7 +358,7 @@ def read_record(freeze: Path) -> dict[str, str]:
         return parse_freeze(freeze.read_text(), str(freeze))
     except FileNotFoundError as exc:
         raise StageError(f"expected the H200's `pip list --format=freeze` at {freeze}; the inventory phase "
-                         "(`python3 scripts/gpu_validation.py inventory`) writes it") from exc
+                         "(`python3 scripts/gpu_validation.py inventory`) writes it", status.REFUSED) from exc
 
 
 def present_on_h200(freeze: Path) -> tuple[dict[str, str], str]:
@@ -388,14 +402,13 @@ def stage(recipe: Recipe, freeze: Path, cache: Path, out: Path) -> int:
     print(f"vLLM {recipe.vllm_version}: {len(staged)} wheels (against {source}), {parts.size / 1e6:.0f} MB "
           f"in {len(parts.paths)} parts of {size / 1e6:.0f} MB under {directory}; carry one part per device call "
           f"({SUMS} and {SELECTION} with the first)")
-    return 0
+    return status.SUCCESS
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        epilog="Exit codes: 0 done / covered; 1 --check-freeze found pins neither staged nor on the H200; "
-               "2 usage, or the locks, the record or a download are not what staging needs.")
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm", metavar="VERSION", help="the recipe's base to stage (default: its default)")
     parser.add_argument("--h200-freeze", type=Path, metavar="FILE", default=H200_RECORD,
                         help="the H200's `pip list --format=freeze` to stage against (default: the committed "
@@ -418,11 +431,14 @@ def main(argv=None) -> int:
             staged = plan(recipe, present)
             print(f"vLLM {recipe.vllm_version}: {len(staged)} wheels to stage, against {source}")
             print("".join(f"{s.name}=={s.version}  # {s.why}\n" for s in staged), end="")
-            return 0
+            return status.SUCCESS
         return stage(recipe, args.h200_freeze, args.cache, args.out)
-    except (StageError, RecipeError, lock.LockError, wheels.WheelError, OSError) as exc:
+    except (StageError, RecipeError, lock.LockError, wheels.WheelError) as exc:
         print(f"stage: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code
+    except OSError as exc:
+        print(f"stage: {exc}", file=sys.stderr)
+        return status.ENVIRONMENT
 
 
 def _check(recipe: Recipe, freeze: Path, record: Path, selection_file: Path | None) -> int:
@@ -436,10 +452,10 @@ def _check(recipe: Recipe, freeze: Path, record: Path, selection_file: Path | No
                 f"--vllm {recipe.vllm_version} --h200-freeze h200-pip-freeze.txt` (or commit it as "
                 f"{_shown(H200_RECORD)} with its header) and carry the new parts",
               file=sys.stderr)
-        return 1
+        return status.FAILED
     print("INVENTORY: " + ("the bundle and this H200 hold every pin of the base" if staged is not None
                            else "recorded; the bundle's coverage not checked (no --staged)"))
-    return 0
+    return status.SUCCESS
 
 
 if __name__ == "__main__":

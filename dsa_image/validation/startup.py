@@ -36,6 +36,7 @@ from pathlib import Path
 
 from dsa_image.runtime import entrypoint
 from dsa_image.build import precompile
+from dsa_image.core import status
 from dsa_image.core.recipe import load_recipe
 from dsa_image.harness import server as serving
 from dsa_image.validation import startup_phases, warmstart
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
             + "\n\n" + startup_phases.comparison(tables) + "\n")
     errors = {n: s["error"] for n, s in doc["starts"].items() if "error" in s}
     print(json.dumps({"errors": errors}) if errors else f"results: {Path(args.out) / 'startup.json'}")
-    return 1 if errors else 0
+    return status.FAILED if errors else status.SUCCESS
 
 
 if __name__ == "__main__":

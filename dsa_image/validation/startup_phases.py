@@ -39,6 +39,7 @@ from pathlib import Path
 
 from dsa_image.harness.server import JIT_LINE, STARTED, jit_kernel_name
 from dsa_image.validation.warmstart import DEEPGEMM_NVCC, FLASHINFER_BUILD
+from dsa_image.core import status
 
 # "(APIServer pid=4385) INFO 12-01 04:03:45 [startup.py:38] ..." (vLLM's format, datefmt %m-%d
 # %H:%M:%S); found anywhere in a line, since a tqdm bar can precede it without a newline.
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             tables[label] = phases(text, _parse_record(spec[2] if len(spec) == 3 else None, text))
         except ValueError as exc:
             print(f"startup_phases: {log}: {exc}", file=sys.stderr)
-            return 1
+            return status.FAILED
     print("\n\n".join(markdown(label, t) for label, t in tables.items()))
     if len(tables) > 1:
         print("\n" + comparison(tables))

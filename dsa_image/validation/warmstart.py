@@ -54,6 +54,7 @@ from dsa_image.runtime import warmup
 from dsa_image.bench.client import stream_completion
 from dsa_image.harness import server as serving
 from dsa_image.validation.serving_modes import model_prompt_ids, prompt_token_ids
+from dsa_image.core import status
 
 STEPS = {  # name: (empty the caches first, run the warm-up)
     "cold": (True, False),
@@ -318,8 +319,8 @@ def main(argv=None) -> int:
         path.write_text(json.dumps(doc, indent=1) + "\n")
         print("\n".join(problems))
         print("WARM START:", "FAIL" if problems else "PASS")
-        return 1 if errors or problems else 0
-    return 1 if errors else 0
+        return status.FAILED if errors or problems else status.SUCCESS
+    return status.FAILED if errors else status.SUCCESS
 
 
 if __name__ == "__main__":
