@@ -77,7 +77,9 @@ def test_selection_stages_what_the_h200_lacks_and_torch_with_its_whole_cuda_set(
     chosen = {s.name: s for s in stage.selection(pins, present, stack={"nvidia-x"})}
     assert set(chosen) == {"b", "torch", "new", "nvidia-x"}  # nvidia-y: not one of torch's libraries
     assert chosen["b"].why == "the H200 has 1.9" and chosen["new"].why == "not on the H200"
-    assert "staged with torch" in chosen["nvidia-x"].why
+    # torch's library the H200 has at the lock's version: listed, not carried (dist_copy copies it)
+    assert chosen["nvidia-x"].why == stage.COPIED and not chosen["nvidia-x"].carried
+    assert all(chosen[n].carried for n in ("b", "torch", "new"))
     assert chosen["torch"].hashes == pins["torch"].hashes  # the lock's hashes travel with each pin
 
 
@@ -121,6 +123,10 @@ def test_the_0_33_selection_brings_torch_its_cuda_set_vllm_b12x_the_toolkit_and_
     via = lock_parse.parse_via((REPO / lock.common_lock(NEW, "amd64")).read_text())
     assert stage.torch_stack(via) <= set(staged)
     assert {"nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13", "nvidia-cufft"} <= set(staged)
+    # Carried: what the H200 lacks and the toolkit; copied from the H200: the rest of torch's set.
+    copied = {n for n, s in staged.items() if not s.carried}
+    assert copied == {n for n in stage.torch_stack(via) - stage.toolkit_wheels(NEW) if stage.has(RECORD, n, pins[n].version)}
+    assert "nvidia-cufft" in copied and "nvidia-cublas" not in copied
     assert {lock_parse.normalize(p.split("==")[0]) for p in NEW.cuda_toolkit if p.startswith("nvidia-")} <= set(staged)
     same = [n for n, p in pins.items() if stage.has(RECORD, n, p.version) and n not in stage.torch_stack(via)
             and n not in stage.toolkit_wheels(NEW)]
@@ -175,6 +181,7 @@ def test_download_fails_closed_when_pip_leaves_a_file_the_lock_does_not_know(tmp
 def test_the_bundle_reassembles_from_its_parts_and_lists_what_it_holds(tmp_path):
     files = {n: wheel(tmp_path, n, "1.0", os.urandom(3000)) for n in ("foo", "bar")}
     staged = [stage.Staged(n, "1.0", frozenset(), "not on the H200") for n in sorted(files)]
+    staged.append(stage.Staged("nvidia-z", "2.0", frozenset(), stage.COPIED, carried=False))  # no file, not in the tar
     out = tmp_path / "out"
     (out / "bundle.tar.part99").parent.mkdir()
     (out / "bundle.tar.part99").write_bytes(b"stale")
@@ -190,7 +197,7 @@ def test_the_bundle_reassembles_from_its_parts_and_lists_what_it_holds(tmp_path)
     with tarfile.open(tmp_path / "bundle.tar") as tar:
         assert sorted(tar.getnames()) == sorted(p.name for p in files.values())
     assert stage.parse_selection((out / "selection.txt").read_text()) == {
-        n: ("1.0", files[n].name) for n in files}
+        **{n: ("1.0", files[n].name) for n in files}, "nvidia-z": ("2.0", stage.FROM_H200)}
 
 
 def test_pip_gets_every_manylinux_tag_up_to_the_h200_glibc():
@@ -226,6 +233,17 @@ def test_check_freeze_names_how_the_h200_changed_and_what_is_then_missing(monkey
     assert [p.split(":")[0] for p in problems] == [f"{lost}=={stage.needed(NEW)[lost].version}"]
 
 
+def test_a_pin_left_to_the_h200s_copy_is_uncovered_where_the_h200_lacks_it(monkeypatch):
+    monkeypatch.setattr(stage, "unsupported", lambda filenames: [])
+    staged = {s.name: (s.version, f"{s.name}.whl" if s.carried else stage.FROM_H200) for s in stage.plan(NEW, RECORD)}
+    report, problems = stage.check_freeze(NEW, RECORD, RECORD, staged)
+    copied = sorted(n for n, (_, f) in staged.items() if f == stage.FROM_H200)
+    assert problems == [] and copied and f"{len(copied)} copied from the H200's venv into the site" in report[-1]
+    real = {n: v for n, v in RECORD.items() if n != copied[0]}
+    _, problems = stage.check_freeze(NEW, real, RECORD, staged)
+    assert [p.split(":")[0] for p in problems] == [f"{copied[0]}=={staged[copied[0]][0]}"]
+
+
 def test_a_staged_wheel_this_python_refuses_is_a_problem():
     assert stage.unsupported(["foo-1.0-py3-none-any.whl", "bar-1.0-cp312-cp312-manylinux_2_99_x86_64.whl"]) == [
         "bar-1.0-cp312-cp312-manylinux_2_99_x86_64.whl"]
@@ -242,8 +260,9 @@ def test_the_command_line_plans_without_downloading(capsys):
     assert stage.main(["--vllm", "0.33.0", "--plan"]) == 0
     out = capsys.readouterr().out
     count = len(stage.plan(NEW, RECORD))
-    assert out.startswith(f"vLLM 0.33.0: {count} wheels to stage, against the H200's recorded `pip list` "
-                          "(recipes/hosts/h200-pip-freeze.txt)")
+    carried = sum(s.carried for s in stage.plan(NEW, RECORD))
+    assert out.startswith(f"vLLM 0.33.0: {carried} wheels to stage and {count - carried} to copy from the H200's "
+                          "installation, against the H200's recorded `pip list` (recipes/hosts/h200-pip-freeze.txt)")
     assert "torch==2.14.0  # the H200 has 2.11.0" in out
 
 

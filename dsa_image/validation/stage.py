@@ -15,8 +15,11 @@ bundle and the H200 together cover every pin of the base (`--check-freeze`).
 What goes in (`selection`): every pin of the base's amd64 locks (the common lock, the sm90
 image's set with vLLM, the pip CUDA toolkit and Ray; plus what the sm120 lock adds: b12x) whose
 name==version the H200 lacks, each checked against the lock's sha256 after download. When
-torch is among them, every NVIDIA library torch requires comes too (`torch_stack`); the pip CUDA
-toolkit's NVIDIA wheels always do (`toolkit_wheels`).
+torch is among them, every NVIDIA library torch requires belongs in the site too (`torch_stack`):
+those the H200 has at the lock's version are not carried but listed, and the install phase copies
+them from the H200's venv into the site, each file checked against its RECORD
+(dsa_image.validation.dist_copy; 723 MB, 13 device calls fewer for vLLM 0.33.0). The pip CUDA
+toolkit's NVIDIA wheels always travel (`toolkit_wheels`): the toolchain phase installs them.
 """
 
 from __future__ import annotations
@@ -92,6 +95,12 @@ class Staged:
     version: str
     hashes: frozenset[str]
     why: str
+    carried: bool = True  # False: the H200's installed copy goes into the site (dist_copy)
+
+
+# selection.txt's file column for a pin that is not carried: the H200's installed copy
+FROM_H200 = "-"
+COPIED = "on the H200: its installed copy goes into the site with torch (its CUDA library set)"
 
 
 # --- what a base needs, and what the H200 has ----------------------------------------------
@@ -139,10 +148,11 @@ def has(present: dict[str, str], name: str, version: str) -> bool:
 
 
 def torch_stack(via: dict[str, frozenset[str]]) -> set[str]:
-    """The NVIDIA libraries torch requires (the lock's `# via` chains). They travel with torch,
-    also those whose version the H200 has: torch 2.14.0's _load_global_deps preloads each CUDA
-    library from the first sys.path entry that has it, so one missing from the site would be
-    the H200's venv's copy, beside the site's others (and torch_libs would refuse it)."""
+    """The NVIDIA libraries torch requires (the lock's `# via` chains). They belong in the site
+    with torch, also those whose version the H200 has: torch 2.14.0's _load_global_deps preloads
+    each CUDA library from the first sys.path entry that has it, so one missing from the site
+    would be the H200's venv's copy, beside the site's others (and torch_libs would refuse it).
+    Those the H200 has are copied from its venv on the device, not carried (`COPIED`)."""
     return {name for name in lock_parse.requirements_of(via, "torch") if name.startswith("nvidia-")}
 
 
@@ -156,7 +166,7 @@ def toolkit_wheels(recipe: Recipe) -> set[str]:
 def selection(pins: dict[str, lock_parse.Pin], present: dict[str, str], stack: set[str],
               always: frozenset[str] | set[str] = frozenset()) -> list[Staged]:
     """The pins to stage: those the H200 lacks at the lock's version, `always`, and torch's
-    NVIDIA libraries whenever torch itself is staged."""
+    NVIDIA libraries whenever torch itself is staged (those the H200 has not carried: `COPIED`)."""
     chosen = {}
     for name, pin in sorted(pins.items()):
         found = present.get(name)
@@ -166,8 +176,7 @@ def selection(pins: dict[str, lock_parse.Pin], present: dict[str, str], stack: s
             chosen[name] = Staged(name, pin.version, pin.hashes, "on the H200, staged for the toolchain's CUDA home")
     if "torch" in chosen:
         for name in sorted(stack - set(chosen)):
-            chosen[name] = Staged(name, pins[name].version, pins[name].hashes,
-                                  "on the H200, staged with torch (its CUDA library set)")
+            chosen[name] = Staged(name, pins[name].version, pins[name].hashes, COPIED, carried=False)
     return [chosen[name] for name in sorted(chosen)]
 
 
@@ -186,11 +195,11 @@ def plan(recipe: Recipe, present: dict[str, str]) -> list[Staged]:
 
 
 def download(staged: list[Staged], recipe: Recipe, cache: Path) -> dict[str, Path]:
-    """{name: wheel file} of every staged pin, each file's sha256 one of the lock's for it.
+    """{name: wheel file} of every carried pin, each file's sha256 one of the lock's for it.
     vLLM is the recipe's wheel (its sha256 is the lock's only hash for it); pip fetches the rest
     with --require-hashes, and each file is hashed again here."""
     cache.mkdir(parents=True, exist_ok=True)
-    others = [s for s in staged if s.name != lock.VLLM]
+    others = [s for s in staged if s.carried and s.name != lock.VLLM]
     if others:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="stage-", delete=False) as f:
             f.write("".join(f"{s.name}=={s.version} " + " ".join(f"--hash=sha256:{h}" for h in sorted(s.hashes))
@@ -264,7 +273,8 @@ class _Parts:
 
 
 def selection_text(staged: list[Staged], files: dict[str, Path]) -> str:
-    return "".join(f"{s.name}=={s.version}  {files[s.name].name}  {s.why}\n" for s in staged)
+    return "".join(f"{s.name}=={s.version}  {files[s.name].name if s.carried else FROM_H200}  {s.why}\n"
+                   for s in staged)
 
 
 def write_stage(staged: list[Staged], files: dict[str, Path], out: Path, part_bytes: int) -> _Parts:
@@ -279,7 +289,8 @@ def write_stage(staged: list[Staged], files: dict[str, Path], out: Path, part_by
         # typeshed asks any fileobj for read, tell and seek; a stream ("w|") only writes to it.
         with tarfile.open(fileobj=parts, mode="w|") as tar:  # type: ignore[call-overload]
             for s in staged:
-                tar.add(files[s.name], arcname=files[s.name].name)
+                if s.carried:
+                    tar.add(files[s.name], arcname=files[s.name].name)
     finally:
         parts.close()
     text = selection_text(staged, files)
@@ -294,7 +305,8 @@ def write_stage(staged: list[Staged], files: dict[str, Path], out: Path, part_by
 
 
 def parse_selection(text: str) -> dict[str, tuple[str, str]]:
-    """{name: (version, wheel filename)} of a bundle's selection.txt."""
+    """{name: (version, wheel filename)} of a bundle's selection.txt; the filename is `FROM_H200`
+    for a pin the H200's installed copy stands for."""
     found = {}
     for line in text.splitlines():
         if line.strip():
@@ -337,16 +349,19 @@ def check_freeze(recipe: Recipe, real: dict[str, str], recorded: dict[str, str],
     if staged is None:
         return report + ["no selection.txt given: the bundle's coverage was not checked"], []
     pins = needed(recipe)
+    # A pin listed as the H200's copy is covered only where the H200 has it (dist_copy copies it).
+    bundled = {n: (v, f) for n, (v, f) in staged.items() if f != FROM_H200}
     uncovered = sorted(f"{n}=={p.version}: neither in the bundle nor on the H200"
                        + (f" (it has {real[n]})" if n in real else "")
                        for n, p in pins.items()
-                       if staged.get(n, ("",))[0] != p.version and not has(real, n, p.version))
+                       if bundled.get(n, ("",))[0] != p.version and not has(real, n, p.version))
     refused = [f"{f}: this Python accepts none of its tags (staging assumed Python {PYTHON}, glibc "
                f"{'.'.join(map(str, H200_GLIBC))}: H200_GLIBC in {Path(__file__).name})"
-               for f in unsupported([f for _, f in staged.values()])]
-    report.append(f"vLLM {recipe.vllm_version}: {len(pins)} pins; {len(staged)} in the bundle, "
-                  f"{len(pins) - len(staged) - len(uncovered)} on the H200 only, {len(uncovered)} in neither; "
-                  f"{len(refused)} staged wheels this Python refuses")
+               for f in unsupported([f for _, f in bundled.values()])]
+    copied = len(staged) - len(bundled)
+    report.append(f"vLLM {recipe.vllm_version}: {len(pins)} pins; {len(bundled)} in the bundle, {copied} copied "
+                  f"from the H200's venv into the site, {len(pins) - len(staged) - len(uncovered)} on the H200 only, "
+                  f"{len(uncovered)} in neither; {len(refused)} staged wheels this Python refuses")
     return report, uncovered + refused
 
 
@@ -399,7 +414,8 @@ def stage(recipe: Recipe, freeze: Path, cache: Path, out: Path) -> int:
     files = download(staged, recipe, cache)
     directory = out / f"vllm-{recipe.vllm_version}"
     parts = write_stage(staged, files, directory, size)
-    print(f"vLLM {recipe.vllm_version}: {len(staged)} wheels (against {source}), {parts.size / 1e6:.0f} MB "
+    print(f"vLLM {recipe.vllm_version}: {sum(s.carried for s in staged)} wheels (against {source}; "
+          f"{sum(not s.carried for s in staged)} more copied from the H200's installation), {parts.size / 1e6:.0f} MB "
           f"in {len(parts.paths)} parts of {size / 1e6:.0f} MB under {directory}; carry one part per device call "
           f"({SUMS} and {SELECTION} with the first)")
     return status.SUCCESS
@@ -429,7 +445,8 @@ def main(argv=None) -> int:
         if args.plan:
             present, source = present_on_h200(args.h200_freeze)
             staged = plan(recipe, present)
-            print(f"vLLM {recipe.vllm_version}: {len(staged)} wheels to stage, against {source}")
+            print(f"vLLM {recipe.vllm_version}: {sum(s.carried for s in staged)} wheels to stage and "
+                  f"{sum(not s.carried for s in staged)} to copy from the H200's installation, against {source}")
             print("".join(f"{s.name}=={s.version}  # {s.why}\n" for s in staged), end="")
             return status.SUCCESS
         return stage(recipe, args.h200_freeze, args.cache, args.out)

@@ -1,0 +1,133 @@
+"""Copy a distribution the H200's Python has installed into a validation site, file by file.
+
+Staging does not carry the NVIDIA libraries that torch needs in the site when the H200 already
+has them at the lock's version (dsa_image.validation.stage.COPIED): the install phase copies the
+H200's installed copy instead. Its RECORD is read as untrusted input, like a wheel's: every
+entry must name a regular file inside the installation's site-packages and match the sha256 and
+size listed for it, nothing may already exist in the target site, and a failure removes what
+this copy wrote. Stdlib only (it runs in the session runner on the device).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import shutil
+import sysconfig
+from importlib import metadata
+from pathlib import Path, PurePosixPath
+
+from dsa_image.core import status, wheels
+
+BYTECODE = ".pyc"  # pip records compiled bytecode without a hash: a cache, rebuilt on import
+
+
+class CopyError(status.DsaImageError):
+    """An installed distribution cannot be copied as it is recorded; says what was found."""
+
+    exit_code = status.ENVIRONMENT
+
+
+def installed_roots() -> list[Path]:
+    """This Python's own site-packages (not sys.path: a site on PYTHONPATH is no installation)."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys(Path(paths[key]) for key in ("purelib", "platlib")))
+
+
+def find(name: str, version: str, roots: list[Path]) -> metadata.Distribution:
+    """The one installed distribution `name` under `roots`, at `version` (a local label aside)."""
+    wanted = _normalize(name)
+    found = [d for d in metadata.distributions(path=[str(r) for r in roots]) if _normalize(d.metadata["Name"]) == wanted]
+    if not found:
+        raise CopyError(f"{name}=={version}: expected it installed under {', '.join(map(str, roots))}, found none; "
+                        "stage it (the H200's record says it has it: run the inventory phase)")
+    versions = sorted({d.version for d in found})
+    if len(found) > 1 or _release(versions[0]) != _release(version):
+        raise CopyError(f"{name}: expected {version} installed, found {', '.join(versions)}; stage it")
+    return found[0]
+
+
+def entries(dist: metadata.Distribution, root: Path) -> list[tuple[PurePosixPath, str | None, int | None]]:
+    """(relative path, sha256 in RECORD form or None, size or None) of each RECORD entry, each
+    checked to stay inside `root`."""
+    files = dist.files
+    if files is None:
+        raise CopyError(f"{dist.metadata['Name']}: no RECORD under {root}; cannot know its files")
+    out = []
+    for entry in files:
+        path = PurePosixPath(str(entry))
+        if path.is_absolute() or ".." in path.parts:
+            raise CopyError(f"{dist.metadata['Name']}: RECORD entry {str(entry)!r} is outside {root}; refusing to copy")
+        digest = entry.hash.value if entry.hash and entry.hash.mode == "sha256" else None
+        if entry.hash and digest is None:
+            raise CopyError(f"{dist.metadata['Name']}: RECORD entry {path} has a {entry.hash.mode} hash; expected sha256")
+        out.append((path, digest, entry.size))
+    return out
+
+
+def record_hash(data_path: Path) -> str:
+    """A file's sha256 as RECORD writes it (urlsafe base64, no padding)."""
+    digest = hashlib.sha256()
+    with data_path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+
+
+def copy_dist(name: str, version: str, site: Path, roots: list[Path] | None = None) -> int:
+    """Copy the installed `name`==`version` into `site`; the number of files copied. Entries
+    without a hash are RECORD itself and bytecode (not copied); any other is refused."""
+    roots = roots or installed_roots()
+    dist = find(name, version, roots)
+    root = Path(str(dist.locate_file("")))
+    plan = [e for e in entries(dist, root) if not e[0].name.endswith(BYTECODE) or e[1]]
+    unhashed = [str(p) for p, digest, _ in plan if digest is None and not _is_record(p)]
+    if unhashed:
+        raise CopyError(f"{name}: RECORD lists {', '.join(unhashed[:3])} without a sha256; cannot verify the copy")
+    clashes = [str(p) for p, _, _ in plan if (site / p).exists() or (site / p).is_symlink()]
+    if clashes:
+        raise CopyError(f"{name}: {site} already has {', '.join(clashes[:3])}; expected a site without {name}")
+    written: list[Path] = []
+    try:
+        for path, digest, size in plan:
+            written.append(site / path)
+            _copy_one(root / path, site / path, digest, size, name)
+    except BaseException:
+        _undo(written, site)
+        raise
+    return len(written)
+
+
+def _undo(written: list[Path], site: Path) -> None:
+    """Remove what a failed copy wrote: its files, then the folders it left empty (not `site`)."""
+    for target in written:
+        target.unlink(missing_ok=True)
+    for folder in sorted({p for t in written for p in t.parents if p.is_relative_to(site) and p != site},
+                         key=lambda p: len(p.parts), reverse=True):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def _copy_one(source: Path, target: Path, digest: str | None, size: int | None, name: str) -> None:
+    if source.is_symlink() or not source.is_file():
+        raise CopyError(f"{name}: {source} is not a regular file; expected one (RECORD lists it)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    shutil.copymode(source, target)
+    if digest is not None and (record_hash(target) != digest or (size is not None and target.stat().st_size != size)):
+        raise CopyError(f"{name}: {source} differs from its RECORD (sha256 or size); the H200's installation is "
+                        "damaged: stage the wheel instead")
+
+
+def _is_record(path: PurePosixPath) -> bool:
+    return path.name == "RECORD" and path.parent.name.endswith(".dist-info")
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def _release(version: str) -> str:
+    """A version without its local label (the H200's torch is 2.11.0+cu130), canonical."""
+    return wheels.canonical_version(version.split("+", 1)[0])
