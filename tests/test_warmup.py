@@ -453,41 +453,14 @@ def test_a_supervised_server_with_a_short_max_model_len_becomes_warm(tmp_path):
     assert list(doc["warmup"]["steps"]) == ["decode-c1-sampled", "decode-c1", "decode-c4"]
 
 
-# A server answering what SCRIPTED_ANSWERS (JSON: path -> {body, delay_s, trickle_s}) says, in a
-# process of its own; body "COMPLETION" is a correct completion, "MODELS" a correct /v1/models.
-SCRIPTED_SERVER = r"""
-import http.server, json, os, sys, time
-port = int(sys.argv[sys.argv.index("--port") + 1])
-answers = json.loads(os.environ.get("SCRIPTED_ANSWERS", "{}"))
-class Handler(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-    def answer(self):
-        sent = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-        how = {"/v1/models": {"body": "MODELS"}, "/v1/completions": {"body": "COMPLETION"}}.get(self.path, {"body": ""})
-        how = {**how, **answers.get(self.path, {})}
-        body = {"MODELS": json.dumps({"data": [{"id": "m", "max_model_len": 8192}]}),
-                "COMPLETION": json.dumps({"usage": {"completion_tokens": sent.get("max_tokens")}})}.get(how["body"], how["body"])
-        time.sleep(how.get("delay_s", 0))
-        data = body.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        for i in range(len(data)):  # byte by byte when trickling: every read gets something in time
-            time.sleep(how.get("trickle_s", 0))
-            self.wfile.write(data[i:i + 1])
-            self.wfile.flush()
-    do_GET = do_POST = answer
-class Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-Server(("127.0.0.1", port), Handler).serve_forever()
-"""
-
-
+# tests/fake_vllm.py in a process of its own, as `vllm serve m`; what it answers out of the
+# ordinary is scripted_env's answers (path -> {body, delay_s, trickle_s}, fake_vllm.FakeVllm's).
 def scripted_server_argv(tmp_path: Path, port: int) -> list[str]:
-    script = tmp_path / "scripted_server.py"
-    script.write_text(SCRIPTED_SERVER)
-    return [sys.executable, str(script), "serve", "m", "--port", str(port)]
+    return [sys.executable, str(Path(__file__).resolve().parent / "fake_vllm.py"), "serve", "m", "--port", str(port)]
+
+
+def scripted_env(answers: dict) -> dict:
+    return {"FAKE_VLLM_OPTIONS": json.dumps({"answers": answers})}
 
 
 @pytest.mark.parametrize("path, body, reason", [
@@ -503,7 +476,7 @@ def test_a_malformed_answer_fails_the_warmup_with_a_marker_saying_why(tmp_path, 
     warm-up thread, which died without a marker: the health check said "warming up" for good."""
     marker, port = tmp_path / "warm.json", fakes.free_ports(1)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), "DSA_IMAGE_WARMUP_PREFILL": "3000",
-           "DSA_IMAGE_WARMUP_CONCURRENCY": "1", "SCRIPTED_ANSWERS": json.dumps({path: {"body": body}})}
+           "DSA_IMAGE_WARMUP_CONCURRENCY": "1", **scripted_env({path: {"body": body}})}
     supervisor = subprocess.Popen([sys.executable, "-m", "dsa_image.runtime.warmup", "supervise", "--marker", str(marker), "--",
                                    *scripted_server_argv(tmp_path, port)], env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -541,16 +514,15 @@ def test_the_supervisor_refuses_a_budget_a_socket_cannot_take_before_starting_th
 
 
 @pytest.mark.parametrize("answers, during", [
-    ({"/v1/completions": {"body": "COMPLETION", "trickle_s": 0.25}}, "step decode-c1-sampled"),
-    ({"/v1/models": {"body": "MODELS", "delay_s": 3}}, "GET /v1/models"),
+    ({"/v1/completions": {"trickle_s": 0.25}}, "step decode-c1-sampled"),
+    ({"/v1/models": {"delay_s": 3}}, "GET /v1/models"),
 ])
 def test_the_budget_is_one_deadline_for_the_whole_warmup(tmp_path, answers, during):
     """Issue #24 item 18: 2 s took 19 s. A socket timeout bounds each read, not a request: a
     server sending a byte every 0.25 s (or /v1/models, which had 30 s of its own) ran past the
     budget. Measured: the warm-up ends within its budget and says where it was."""
     port = fakes.free_ports(1)
-    server = subprocess.Popen(scripted_server_argv(tmp_path, port), env={**os.environ,
-                                                                        "SCRIPTED_ANSWERS": json.dumps(answers)})
+    server = subprocess.Popen(scripted_server_argv(tmp_path, port), env={**os.environ, **scripted_env(answers)})
     try:
         endpoint = warmup.Endpoint.from_url(f"http://127.0.0.1:{port}")
         assert wait_for(lambda: warmup.is_healthy(endpoint))
