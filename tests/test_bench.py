@@ -2,13 +2,12 @@
 the bootstrap interval, the alternating schedule, the ratio direction, the results schema, the
 streaming client and whole runs against a fake OpenAI-compatible vLLM.
 
-The fake (FakeOpenAI, and fake_vllm_site for a real `python -m vllm.entrypoints.cli.main serve`
+The fake (tests/fake_vllm.py's, and fake_vllm_site for a real `python -m vllm.entrypoints.cli.main serve`
 process) is also used by tests/test_warmup.py. Plot tests skip without matplotlib.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -16,10 +15,8 @@ import signal
 import socket
 import sys
 import textwrap
-import threading
 import time
 from dataclasses import asdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -29,237 +26,23 @@ from dsa_image.runtime import spec_decode_metrics
 from dsa_image.validation import serving_modes
 
 TESTS_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS_DIR))
+from fake_vllm import FakeServer, FakeVllm, fake_tokens, make_handler  # noqa: E402,F401 (make_handler: for test_warmup)
 
 
 # -- the fake server ----------------------------------------------------------------------------
 
 
-def fake_ids(prompt, count: int, salt: int = 0) -> list[int]:
-    digest = hashlib.sha256(json.dumps([prompt, salt]).encode()).digest()
-    return [8 + (digest[i % len(digest)] + 7 * i) % 1000 for i in range(count)]
-
-
-class FakeOpenAI:
-    """What a vLLM server answers, with delays, faults and a record of what it was asked.
-
-    faults: http_500, short (one token less than max_tokens), no_done (the stream has no
-    [DONE]), salt (other tokens: a build that computes differently), empty_text (tokens that
-    detokenize to "", as lone bytes of a byte-level tokenizer do), other_text (the same tokens,
-    another text: a detokenizer that differs), no_tokens (nothing generated), no_usage (a stream
-    without usage in its chunks).
-
-    spec: True: vLLM's spec-decode counters on /metrics, counting drafts; "idle": the counters
-    without drafts (a server whose draft path does not run).
-
-    busy: the first `busy` completions are refused with vLLM 0.33.0's HTTP 503 for a full queue
-    (QueueOverflowError, vllm/exceptions.py), as under --max-num-queued-reqs.
-
-    enforce_max_model_len: as vLLM's completions do, a prompt longer than max_model_len is an
-    HTTP 400 and max_tokens is cut to what max_model_len leaves (serving_completion's
-    get_max_tokens)."""
-
-    def __init__(self, ttft_s=0.0, token_s=0.0, max_model_len=8192, faults=(), unhealthy_polls=0,
-                 spec=False, jit_line_on_first=False, busy=0, enforce_max_model_len=False):
-        self.ttft_s, self.token_s, self.max_model_len = ttft_s, token_s, max_model_len
-        self.faults, self.unhealthy_polls, self.spec = set(faults), unhealthy_polls, spec
-        self.jit_line_on_first = jit_line_on_first
-        self.busy = busy
-        self.enforce_max_model_len = enforce_max_model_len
-        self.refused = 0
-        self.requests: list[dict] = []
-        self.active = self.max_active = 0
-        self.counters = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "pos0": 0, "pos1": 0}
-        self.lock = threading.Lock()
-
-    def begin(self, body: dict) -> None:
-        with self.lock:
-            self.requests.append(body)
-            self.active += 1
-            self.max_active = max(self.max_active, self.active)
-            first = len(self.requests) == 1
-        if first and self.jit_line_on_first:
-            print("WARNING [jit_monitor.py:99] Triton kernel JIT compilation during inference: "
-                  "fake_kernel (key=1).", flush=True)
-
-    def end(self, tokens: int) -> None:
-        with self.lock:
-            self.active -= 1
-            if self.spec is True:  # "idle": the counters are there, no drafts are made
-                self.counters["drafts"] += tokens // 2
-                self.counters["draft_tokens"] += tokens
-                self.counters["accepted"] += tokens // 4
-                self.counters["pos0"] += tokens // 4 - tokens // 8
-                self.counters["pos1"] += tokens // 8
-
-    def output(self, prompt, max_tokens: int) -> list[int]:
-        if "no_tokens" in self.faults:
-            return []
-        if self.enforce_max_model_len:
-            max_tokens = min(max_tokens, self.max_model_len - len(prompt))
-        count = max_tokens - (1 if "short" in self.faults else 0)
-        return fake_ids(prompt, count, 1 if "salt" in self.faults else 0)
-
-    def text(self, ids: list[int]) -> str:
-        if "empty_text" in self.faults:
-            return ""
-        return "".join(f" {'v' if 'other_text' in self.faults else 'w'}{t}" for t in ids)
-
-    def logprobs(self, ids: list[int], body: dict) -> dict | None:
-        """vLLM's completion logprobs: the chosen tokens' and, per position, the `logprobs` most
-        likely tokens (keyed "token_id:N" with return_tokens_as_token_ids)."""
-        if body.get("logprobs") is None:
-            return None
-        def key(t):
-            return f"token_id:{t}" if body.get("return_tokens_as_token_ids") else f" w{t}"
-        chosen = [-1.0 - (t % 7) / 10 for t in ids]
-        top = [{key(t + r): lp - r for r in range(body["logprobs"])} for t, lp in zip(ids, chosen, strict=True)]
-        return {"token_logprobs": chosen, "top_logprobs": top}
-
-    def metrics(self) -> str:
-        lines = ['vllm:num_requests_running{engine="0",model_name="glm-5"} 0.0']
-        if self.spec:
-            c = self.counters
-            labels = 'engine="0",model_name="glm-5"'
-            lines += [f"vllm:spec_decode_num_drafts_total{{{labels}}} {c['drafts']}.0",
-                      f"vllm:spec_decode_num_drafts_created{{{labels}}} 1.7e9",
-                      f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {c['draft_tokens']}.0",
-                      f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {c['accepted']}.0",
-                      f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} {c["pos0"]}.0',
-                      f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} {c["pos1"]}.0']
-        return "\n".join(["# HELP fake", *lines]) + "\n"
-
-
-def make_handler(state: FakeOpenAI):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):
-            pass
-
-        def _send(self, status: int, payload, content_type="application/json"):
-            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path == "/health":
-                with state.lock:
-                    state.unhealthy_polls -= 1
-                    healthy = state.unhealthy_polls < 0
-                return self._send(200 if healthy else 503, b"", "text/plain")
-            if self.path == "/v1/models":
-                return self._send(200, {"data": [{"id": "glm-5", "max_model_len": state.max_model_len}]})
-            if self.path == "/metrics":
-                return self._send(200, state.metrics().encode(), "text/plain")
-            self._send(404, {"error": "not found"})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            if self.path != "/v1/completions":
-                return self._send(404, {"error": "not found"})
-            with state.lock:
-                refuse = state.refused < state.busy
-                state.refused += refuse
-            if refuse:  # vLLM 0.33.0's answer (create_error_response of a GracefulHTTPError)
-                return self._send(503, {"error": {
-                    "message": "The engine is currently busy and cannot accept new requests. Please try again "
-                               "later or on a different instance.",
-                    "type": "Service Unavailable", "param": None, "code": 503}})
-            state.begin(body)
-            self.ended = False
-            try:
-                if "http_500" in state.faults:
-                    return self._send(500, {"error": "EngineCore died"})
-                self._stream(body) if body.get("stream") else self._complete(body)
-            finally:
-                self._end(0)
-
-        def _end(self, produced: int) -> None:
-            """The request leaves the count of those in flight before its last bytes are sent: a
-            client that reads them starts its next request at once, and counted afterwards, two
-            requests of one client overlapped (max_active 6 at concurrency 4 on a loaded host)."""
-            if not self.ended:
-                self.ended = True
-                state.end(produced)
-
-        def _prompts(self, body):
-            prompt = body["prompt"]
-            return prompt if prompt and isinstance(prompt[0], list) else [prompt]
-
-        def _complete(self, body) -> int:
-            prompts = self._prompts(body)
-            if state.enforce_max_model_len and max(map(len, prompts)) > state.max_model_len:
-                return self._send(400, {"error": {"message": f"maximum context length is {state.max_model_len}"}})
-            outs = [state.output(p, body["max_tokens"]) for p in prompts]
-            time.sleep(state.ttft_s + state.token_s * body["max_tokens"])
-            choices = [{"index": i, "text": state.text(ids), "finish_reason": "length",
-                        "token_ids": ids if body.get("return_token_ids") else None,
-                        "logprobs": state.logprobs(ids, body)}
-                       for i, ids in enumerate(outs)]
-            produced = sum(len(ids) for ids in outs)
-            self._end(produced)
-            self._send(200, {"choices": choices[::-1],  # the server's order is not the prompts'
-                             "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": produced}})
-
-        def _stream(self, body) -> int:
-            ids = state.output(body["prompt"], body["max_tokens"])
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            time.sleep(state.ttft_s)
-            for n, token in enumerate(ids, 1):
-                chunk = {"choices": [{"index": 0, "text": state.text([token])}]}
-                if "no_usage" not in state.faults:
-                    chunk["usage"] = {"completion_tokens": n}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.flush()
-                time.sleep(state.token_s)
-            self._end(len(ids))
-            if "no_usage" not in state.faults:
-                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': len(ids)}})}\n\n".encode())
-            if "no_done" not in state.faults:
-                self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-            self.close_connection = True
-
-    return Handler
-
-
-class _Httpd(ThreadingHTTPServer):
-    request_queue_size = 256  # 32 clients connect at once; the default backlog of 5 resets some
-    daemon_threads = True
-
-
-class FakeServer:
-    def __init__(self, state: FakeOpenAI, port: int = 0):
-        self.state = state
-        self.httpd = _Httpd(("127.0.0.1", port), make_handler(state))
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> "FakeServer":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 FAKE_MAIN = textwrap.dedent('''\
-    """A fake `vllm serve`: FakeOpenAI in a real process; options from fake.json beside it."""
+    """A fake `vllm serve`: tests/fake_vllm.py in a real process; options from fake.json beside it."""
     import json, os, signal, sys
     from pathlib import Path
-    sys.path[:0] = [{tests_dir!r}, {repo_dir!r}]  # test_bench imports dsa_image
-    import test_bench
+    sys.path.insert(0, {tests_dir!r})
+    import fake_vllm
 
     options = json.loads((Path(__file__).parent / "fake.json").read_text())
     port = int(sys.argv[sys.argv.index("--port") + 1])
-    state = test_bench.FakeOpenAI(**options.get("fake", {{}}))
+    state = fake_vllm.FakeVllm(**options.get("fake", {{}}))
     def on_term(signum, frame):
         if options.get("term_file"):
             Path(options["term_file"]).write_text(str(os.getpid()))
@@ -268,7 +51,7 @@ FAKE_MAIN = textwrap.dedent('''\
     if options.get("crash_exit") is not None:
         sys.exit(options["crash_exit"])
     print("INFO fake vllm serve", sys.argv[1:], "probe:", os.environ.get("DSA_BENCH_PROBE"), flush=True)
-    test_bench.FakeServer(state, port).httpd.serve_forever()
+    fake_vllm.FakeServer(state, port).httpd.serve_forever()
 ''')
 
 
@@ -337,14 +120,14 @@ def add_fake_model_registry(site: Path) -> Path:
 
 
 def fake_vllm_site(site: Path, **options) -> Path:
-    """A site dir whose `vllm.entrypoints.cli.main` runs FakeOpenAI, with vLLM's model-info
+    """A site dir whose `vllm.entrypoints.cli.main` runs the fake server (tests/fake_vllm.py), with vLLM's model-info
     cache as its registry keeps it (and a dist-info)."""
     cli = site / "vllm" / "entrypoints" / "cli"
     cli.mkdir(parents=True)
     for package in (site / "vllm", site / "vllm" / "entrypoints", cli):
         (package / "__init__.py").write_text("")
     add_fake_model_registry(site)
-    (cli / "main.py").write_text(FAKE_MAIN.format(tests_dir=str(TESTS_DIR), repo_dir=str(TESTS_DIR.parent)))
+    (cli / "main.py").write_text(FAKE_MAIN.format(tests_dir=str(TESTS_DIR)))
     (cli / "fake.json").write_text(json.dumps(options))
     dist = site / "vllm-0.24.0.dist-info"
     dist.mkdir()
@@ -525,19 +308,19 @@ def test_prompt_ids_leave_out_the_special_tokens(tiny_model):
 
 
 def test_stream_completion_times_the_first_and_each_token():
-    with FakeServer(FakeOpenAI(ttft_s=0.05, token_s=0.01)) as server:
+    with FakeServer(FakeVllm(ttft_s=0.05, token_s=0.01)) as server:
         sample = client.stream_completion(server.port, "glm-5", [9, 10, 11], 12)
     assert sample.error is None and sample.tokens == 12
     assert 0.05 <= sample.ttft < 0.5
     assert 0.008 <= sample.tpot < 0.05
-    sent = server.state.requests[0]
+    sent = server.state.completions[0]
     assert sent["ignore_eos"] is True and sent["temperature"] == 0.0 and sent["max_tokens"] == 12
     assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
 
 
 def test_stream_completion_counts_tokens_that_decode_to_no_text():
     # Without usage in its chunks, each choice chunk is a token, its text "" or not (a lone byte).
-    with FakeServer(FakeOpenAI(faults={"no_usage", "empty_text"})) as server:
+    with FakeServer(FakeVllm(faults={"no_usage", "empty_text"})) as server:
         sample = client.stream_completion(server.port, "glm-5", [9, 10, 11], 12)
     assert sample.error is None and sample.tokens == 12 and sample.tpot is not None
     assert client._tokens_so_far({"choices": [{"index": 0, "text": "", "token_ids": [5, 6]}]}, 3) == 5
@@ -546,7 +329,7 @@ def test_stream_completion_counts_tokens_that_decode_to_no_text():
 @pytest.mark.parametrize("fault, message", [("http_500", "HTTP 500"), ("short", "11 tokens, expected 12"),
                                             ("no_done", "without data: [DONE]")])
 def test_stream_completion_reports_a_broken_answer(fault, message):
-    with FakeServer(FakeOpenAI(faults={fault})) as server:
+    with FakeServer(FakeVllm(faults={fault})) as server:
         sample = client.stream_completion(server.port, "glm-5", [9], 12)
     assert message in sample.error
 
@@ -557,19 +340,19 @@ def test_stream_completion_reports_no_server():
 
 
 def test_a_round_keeps_concurrency_requests_in_flight():
-    with FakeServer(FakeOpenAI(ttft_s=0.02, token_s=0.005)) as server:
+    with FakeServer(FakeVllm(ttft_s=0.02, token_s=0.005)) as server:
         prompts = [[8 + i] * 5 for i in range(8)]
         samples = client.run_round(server.port, "glm-5", prompts, 6, concurrency=4)
     assert server.state.max_active == 4
     assert len(samples) == 8 and all(s.error is None and s.tokens == 6 for s in samples)
-    assert sorted(r["prompt"][0] for r in server.state.requests) == list(range(8, 16))
+    assert sorted(r["prompt"][0] for r in server.state.completions) == list(range(8, 16))
 
 
 # -- speculative-decoding counters --------------------------------------------------------------
 
 
 def test_spec_counters_are_parsed_summed_and_turned_into_rates():
-    text = FakeOpenAI(spec=True).metrics()
+    text = FakeVllm(spec=True).metrics()
     assert spec_decode_metrics.parse_spec_counters(text) == {
         "drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0, "accepted_per_position": [0.0, 0.0]}
     two_engines = "\n".join([
@@ -586,12 +369,12 @@ def test_spec_counters_are_parsed_summed_and_turned_into_rates():
     assert rates["acceptance_rate"] == pytest.approx(50 / 120)
     assert rates["mean_acceptance_length"] == pytest.approx(1 + 50 / 40)
     assert rates["per_position_rate"] == pytest.approx([0.75, 0.5])
-    assert spec_decode_metrics.parse_spec_counters(FakeOpenAI().metrics()) is None
+    assert spec_decode_metrics.parse_spec_counters(FakeVllm().metrics()) is None
     assert spec_decode_metrics.acceptance(None) is None
 
 
 def test_spec_counters_are_scraped_as_deltas_over_requests():
-    with FakeServer(FakeOpenAI(spec=True)) as server:
+    with FakeServer(FakeVllm(spec=True)) as server:
         before = spec_decode_metrics.scrape_spec_counters(server.port)
         client.stream_completion(server.port, "glm-5", [9], 16)
         delta = spec_decode_metrics.counter_delta(before, spec_decode_metrics.scrape_spec_counters(server.port))
@@ -921,10 +704,10 @@ def test_log_facts_find_the_decode_path_growth_and_kv_format(tmp_path):
 
 
 def test_complete_batch_returns_choices_in_prompt_order():
-    with FakeServer(FakeOpenAI()) as server:
+    with FakeServer(FakeVllm()) as server:
         prompts = [[9, 10], [11], [12, 13, 14]]
         out = serving_modes.complete_batch(server.port, prompts, 5)
-    assert [c["token_ids"] for c in out] == [fake_ids(p, 5) for p in prompts]
+    assert [c["token_ids"] for c in out] == [fake_tokens(p, 5) for p in prompts]
     assert all(len(c["logprobs"]) == 5 and c["text"] for c in out)
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_smoke_fakes import FakeServer, FakeVllm, free_port  # noqa: E402
+from fake_vllm import FakeServer, FakeVllm  # noqa: E402
+from test_smoke_fakes import free_port  # noqa: E402
 
 from dsa_image.harness import server  # noqa: E402
 from dsa_image.harness.client import Client, HttpError  # noqa: E402

@@ -4,7 +4,6 @@ Runs on the host and in the image's `test` stage (stdlib, a real /proc, real soc
 
 from __future__ import annotations
 
-import http.server
 import os
 import socket
 import socketserver
@@ -19,6 +18,7 @@ from dsa_image.runtime.serve_command import VLLM_DEFAULT_PORT, Endpoint
 
 # The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fake_vllm import FakeServer, FakeVllm, make_handler  # noqa: E402
 from test_smoke_fakes import free_port  # noqa: E402
 
 VLLM = ["/opt/venv/bin/python", "/opt/venv/bin/vllm", "serve"]
@@ -115,33 +115,18 @@ def test_read_cmdline_reads_the_real_proc():
     assert healthcheck.read_cmdline(healthcheck.PROC / str(os.getpid()))[0].split("/")[-1].startswith("python")
 
 
-class _Health(http.server.BaseHTTPRequestHandler):
-    status = 200
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        self.send_response(self.status if self.path == "/health" else 404)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def server():
-    """A /health server on a free loopback port; yields (port, handler class to set status)."""
-    handler = type("Health", (_Health,), {"status": 200})
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield httpd.server_address[1], handler
-    httpd.shutdown()
-    httpd.server_close()
+    """The fake vLLM on a free loopback port; yields (port, its state, whose health_status the
+    test sets)."""
+    with FakeServer(FakeVllm()) as fake:
+        yield fake.port, fake.state
 
 
 def test_probe_is_healthy_only_on_200(server):
-    port, handler = server
+    port, state = server
     assert healthcheck.probe(Endpoint("http", "127.0.0.1", port)) is None
-    handler.status = 503
+    state.health_status = 503
     assert "HTTP 503" in healthcheck.probe(Endpoint("http", "127.0.0.1", port))
 
 
@@ -277,7 +262,7 @@ def test_probe_over_vllms_unix_socket(tmp_path):
             return request, ("local", 0)
 
     path = str(tmp_path / "vllm.sock")
-    httpd = UnixHealth(path, type("Health", (_Health,), {"status": 200}))
+    httpd = UnixHealth(path, make_handler(FakeVllm()))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:

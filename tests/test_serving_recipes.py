@@ -975,32 +975,18 @@ def test_gpu_table_sources_and_targets():
     assert math.isclose(GPUS["b200"].memory_bytes / GIB, 179.06, rel_tol=1e-3)
 
 
-FAKE_VLLM = '''
-import json, sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
+# `python -m vllm.entrypoints.cli.main serve ...`: tests/fake_vllm.py's server, after the start-up
+# line the harness records; `--fail` makes it die first, as a server that cannot start.
+FAKE_VLLM = f'''
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+import fake_vllm
 args = sys.argv[1:]
 assert args[0] == "serve"
-port = int(args[args.index("--port") + 1])
 if "--fail" in args:
     sys.exit(7)
-class H(BaseHTTPRequestHandler):
-    def log_message(self, *a):
-        pass
-    def reply(self, body):
-        data = json.dumps(body).encode()
-        self.send_response(200); self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
-    def do_GET(self):
-        self.reply({})
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.path == "/v1/completions":
-            self.reply({"choices": [{"text": "tok" * body["max_tokens"], "finish_reason": "length"}],
-                        "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}})
-        else:
-            self.reply({"choices": [{"message": {"content": "hi", "tool_calls": []}}]})
 print("fake vllm", " ".join(args), flush=True)
-HTTPServer(("127.0.0.1", port), H).serve_forever()
+fake_vllm.main(args)
 '''
 
 

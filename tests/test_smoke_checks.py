@@ -10,7 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_smoke_fakes import FakeServer, FakeVllm, startup_log  # noqa: E402
+from fake_vllm import FakeServer, FakeVllm  # noqa: E402
+from test_smoke_fakes import startup_log  # noqa: E402
 
 from dsa_image.core.recipe import RecipeError, load_recipe  # noqa: E402
 from dsa_image.smoke import checks as C  # noqa: E402

@@ -20,7 +20,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_smoke_fakes import SELFTEST_OUTPUT, FakeServer, FakeVllm, free_port, startup_log  # noqa: E402
+from fake_vllm import FakeServer, FakeVllm  # noqa: E402
+from test_smoke_fakes import SELFTEST_OUTPUT, free_port, startup_log  # noqa: E402
 
 docker = pytest.importorskip("docker", reason="the Docker SDK (`docker`) is in the dev lock")
 from docker.errors import APIError, DockerException, NotFound  # noqa: E402
@@ -277,7 +278,7 @@ sys.path.insert(0, "/opt/fake")
 if sys.argv[1:] == ["verify"]:
     print("stand-in verify: the overlay matches the receipt")
     sys.exit(0)
-import test_smoke_fakes as fakes
+import fake_vllm, test_smoke_fakes as fakes
 if sys.argv[1:2] == ["selftest"]:
     print(fakes.SELFTEST_OUTPUT, end="")
     sys.exit(0)
@@ -285,7 +286,7 @@ import threading
 time.sleep(float(os.environ.get("STAND_IN_START_DELAY", "0")))
 for line in fakes.startup_log("FLASHMLA_SPARSE", "deepgemm"):
     print(line, flush=True)
-server = fakes.FakeServer(fakes.FakeVllm("glm-5"), int(os.environ["DSA_IMAGE_PORT"]))
+server = fake_vllm.FakeServer(fake_vllm.FakeVllm("glm-5"), int(os.environ["DSA_IMAGE_PORT"]))
 print("INFO Application startup complete.", flush=True)
 # The image's warm-up finishing after /health answers: its healthcheck passes only then.
 threading.Timer(float(os.environ["STAND_IN_WARM_DELAY"]), open, ("/tmp/stand-in-warm", "w")).start()
@@ -300,7 +301,8 @@ def build_stand_in(client, base_image: str, context: Path, port: int, start_dela
     `base_image` needs /opt/venv/bin/python (the runtime image has it)."""
     context.mkdir()
     (context / "fake").mkdir()
-    shutil.copy(Path(__file__).resolve().parent / "test_smoke_fakes.py", context / "fake")
+    for module in ("fake_vllm.py", "test_smoke_fakes.py"):  # the fake server and what it logs
+        shutil.copy(Path(__file__).resolve().parent / module, context / "fake")
     (context / "fake" / "entry.py").write_text(STAND_IN_ENTRY)
     (context / "Dockerfile").write_text(
         f"FROM {base_image}\n"

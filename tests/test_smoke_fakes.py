@@ -1,36 +1,21 @@
-"""A fake OpenAI-compatible vLLM server for the smoke tests, good or broken on demand, and a
-fake `vllm` package whose `python -m vllm.entrypoints.cli.main serve` starts it as a real
-process (with a child in its process group, as vLLM's engine core is).
+"""The smoke tests' fakes around the fake vLLM server (tests/fake_vllm.py): what vLLM logs at
+start-up, a fake `vllm` package whose `python -m vllm.entrypoints.cli.main serve` starts the
+server as a real process (with a child in its process group, as vLLM's engine core is), a fake
+`ray` and `nvidia-smi`.
 
 The other smoke tests import this module (also inside a bare container: stdlib only at import
-time); the tests here prove the fake itself behaves.
+time); the tests here prove the fakes themselves behave.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 import textwrap
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-FAULTS = {
-    "empty_text",          # completions answer ""
-    "nan_logprob",         # one token logprob is NaN
-    "null_logprob",        # one token logprob is null (what pydantic writes for NaN)
-    "nondeterministic",    # each request gives other tokens
-    "short",               # fewer tokens than max_tokens
-    "no_done",             # the stream ends without data: [DONE]
-    "stream_other_tokens", # the stream gives other tokens than the plain request
-    "chat_empty",          # chat answers no content
-    "wrong_model",         # /v1/models lists another name
-    "no_tokenize",         # /tokenize answers 404
-    "http_500",            # /v1/completions answers 500
-    "usage_chunk",         # not a fault: the stream ends with a usage-only chunk before [DONE]
-}
+from fake_vllm import FakeServer, FakeVllm
 
 # What vLLM 0.24.0 + the overlay log at start-up: the Ray instance and placement group (with
 # the Ray executor), each rank's assignment, the attention and indexer backends.
@@ -57,11 +42,6 @@ def startup_log(attention: str, indexer_kernels: str, indexer_backend: str = "DE
     ]
 
 
-def fake_tokens(prompt, count: int, salt: int = 0) -> list[int]:
-    digest = hashlib.sha256(json.dumps([prompt, salt]).encode()).digest()
-    return [8 + (digest[i % len(digest)] * 7 + i) % 1016 for i in range(count)]
-
-
 # What `selftest --json -` prints when the kernels agree: the table, then the JSON document.
 SELFTEST_OUTPUT = (
     "| case | kernel | shapes | max error | top-k agreement (min row) | time | result |\n"
@@ -71,136 +51,13 @@ SELFTEST_OUTPUT = (
 )
 
 
-class FakeVllm:
-    """State of one fake server: its faults, and what it was asked."""
-
-    def __init__(self, served_name: str = "glm-5", faults: set[str] = frozenset(), max_model_len: int = 8192):
-        unknown = set(faults) - FAULTS
-        assert not unknown, f"unknown faults {unknown}"
-        self.served_name = served_name
-        self.faults = set(faults)
-        self.max_model_len = max_model_len
-        self.requests: list[tuple[str, dict]] = []
-        self._calls = 0
-        self._lock = threading.Lock()
-
-    def salt(self) -> int:
-        with self._lock:
-            self._calls += 1
-            return self._calls if "nondeterministic" in self.faults else 0
-
-    def completion(self, body: dict, stream: bool = False) -> dict:
-        count = body.get("max_tokens", 16) - (3 if "short" in self.faults else 0)
-        salt = self.salt() + (1000 if stream and "stream_other_tokens" in self.faults else 0)
-        ids = fake_tokens(body.get("prompt"), count, salt)
-        logprobs = [-1.0 - i / 10 for i in range(count)]
-        if "nan_logprob" in self.faults:
-            logprobs[3] = float("nan")
-        if "null_logprob" in self.faults:
-            logprobs[3] = None
-        text = "" if "empty_text" in self.faults else "".join(f" w{i}" for i in ids)
-        return {"ids": ids, "text": text, "logprobs": logprobs}
-
-
-def make_handler(state: FakeVllm):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):
-            pass
-
-        def _send(self, status: int, payload, content_type="application/json"):
-            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            state.requests.append((self.path, {}))
-            if self.path == "/health":
-                return self._send(200, b"", "text/plain")
-            if self.path == "/v1/models":
-                name = "other-model" if "wrong_model" in state.faults else state.served_name
-                return self._send(200, {"object": "list", "data": [{"id": name, "object": "model"}]})
-            self._send(404, {"error": "not found"})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            state.requests.append((self.path, body))
-            if body.get("model") not in (None, state.served_name):
-                return self._send(404, {"error": f"model {body.get('model')} does not exist"})
-            if self.path == "/tokenize":
-                if "no_tokenize" in state.faults:
-                    return self._send(404, {"error": "not found"})
-                tokens = [8 + b for b in body["prompt"].encode()]
-                return self._send(200, {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens})
-            if self.path == "/v1/completions":
-                if "http_500" in state.faults:
-                    return self._send(500, {"error": "EngineCore died"})
-                if body.get("stream"):
-                    return self._stream(body)
-                out = state.completion(body)
-                return self._send(200, {"object": "text_completion", "choices": [{
-                    "index": 0, "text": out["text"], "finish_reason": "length", "token_ids": out["ids"],
-                    "logprobs": {"token_logprobs": out["logprobs"], "tokens": [f"w{i}" for i in out["ids"]]}}]})
-            if self.path == "/v1/chat/completions":
-                out = state.completion({**body, "prompt": body.get("messages")})
-                content = "" if "chat_empty" in state.faults else out["text"] or "x"
-                return self._send(200, {"object": "chat.completion", "choices": [{
-                    "index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "length",
-                    "logprobs": {"content": [{"token": f"w{i}", "logprob": lp}
-                                             for i, lp in zip(out["ids"], out["logprobs"], strict=True)]}}]})
-            self._send(404, {"error": "not found"})
-
-        def _stream(self, body: dict):
-            out = state.completion(body, stream=True)
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            for token in out["ids"]:
-                piece = "" if "empty_text" in state.faults else f" w{token}"
-                chunk = {"choices": [{"index": 0, "text": piece, "token_ids": [token]}]}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            if "usage_chunk" in state.faults:
-                usage = {"choices": [], "usage": {"completion_tokens": len(out["ids"])}}
-                self.wfile.write(f"data: {json.dumps(usage)}\n\n".encode())
-            if "no_done" not in state.faults:
-                self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-            self.close_connection = True
-
-    return Handler
-
-
-class FakeServer:
-    """The fake on a thread of this process, on a free port of 127.0.0.1."""
-
-    def __init__(self, state: FakeVllm, port: int = 0):
-        self.state = state
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), make_handler(state))
-        self.port = self.httpd.server_address[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> "FakeServer":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 # --- the fake `vllm` package, for the local runtime as a real subprocess -------------------
 
 FAKE_CLI = textwrap.dedent('''\
     """Fake `vllm serve`: the smoke test's fake server in a real process (group)."""
     import argparse, json, os, subprocess, sys, time
     sys.path.insert(0, {tests_dir!r})
-    import test_smoke_fakes as fakes
+    import fake_vllm, test_smoke_fakes as fakes
 
     def main():
         argv = sys.argv[1:]
@@ -238,7 +95,7 @@ FAKE_CLI = textwrap.dedent('''\
                                       ray=args.distributed_executor_backend == "ray"):
             print(line, flush=True)
         faults = set(json.loads(os.environ.get("FAKE_VLLM_FAULTS", "[]")))
-        server = fakes.FakeServer(fakes.FakeVllm(args.served_model_name, faults), args.port)
+        server = fake_vllm.FakeServer(fake_vllm.FakeVllm(args.served_model_name, faults), args.port)
         print("INFO Application startup complete.", flush=True)
         server.httpd.serve_forever()
 
@@ -347,8 +204,8 @@ def pid_alive(pid: int) -> bool:
 def test_fake_is_deterministic_unless_told_otherwise():
     good, bad = FakeVllm(), FakeVllm(faults={"nondeterministic"})
     body = {"prompt": "x", "max_tokens": 16}
-    assert good.completion(body)["ids"] == good.completion(body)["ids"]
-    assert bad.completion(body)["ids"] != bad.completion(body)["ids"]
+    assert good.tokens(**body) == good.tokens(**body)
+    assert bad.tokens(**body) != bad.tokens(**body)
 
 
 def test_fake_serves_nan_as_a_json_nan_literal():
@@ -356,7 +213,7 @@ def test_fake_serves_nan_as_a_json_nan_literal():
 
     with FakeServer(FakeVllm(faults={"nan_logprob"})) as server:
         request = urllib.request.Request(server.base_url + "/v1/completions", method="POST",
-                                         data=json.dumps({"prompt": "x", "max_tokens": 16}).encode())
+                                         data=json.dumps({"prompt": "x", "max_tokens": 16, "logprobs": 1}).encode())
         raw = urllib.request.urlopen(request, timeout=10).read().decode()
     assert "NaN" in raw
 

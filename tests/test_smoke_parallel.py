@@ -19,8 +19,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import test_smoke_run as smoke_run  # noqa: E402
-from test_smoke_fakes import (FakeServer, FakeVllm, free_port, make_fake_nvidia_smi, make_fake_ray,  # noqa: E402
-                              make_fake_vllm_site, startup_log)
+from fake_vllm import FakeServer, FakeVllm  # noqa: E402
+from test_smoke_fakes import (free_port, make_fake_nvidia_smi, make_fake_ray, make_fake_vllm_site,  # noqa: E402
+                              startup_log)
 
 from dsa_image.runtime.entrypoint import plan_serve  # noqa: E402
 from dsa_image.core.recipe import load_recipe  # noqa: E402

@@ -17,7 +17,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_smoke_fakes import (SELFTEST_OUTPUT, FakeServer, FakeVllm, free_port, make_fake_vllm_site, pid_alive,  # noqa: E402
+from fake_vllm import FakeServer, FakeVllm  # noqa: E402
+from test_smoke_fakes import (SELFTEST_OUTPUT, free_port, make_fake_vllm_site, pid_alive,  # noqa: E402
                              startup_log)
 
 from dsa_image.build import tiny_model

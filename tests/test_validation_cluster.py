@@ -644,7 +644,7 @@ def test_a_wave_or_call_too_large_for_the_port_plan_is_refused_before_anything_s
 # under $FAKE_REGISTRY. A server of TP > 1 across two nodes with one hostname logs the IndexError
 # and hangs, as the control is expected to.
 FAKE_PYTHON = r'''#!/usr/bin/env python3
-import http.server, json, os, socket, sys, time, uuid
+import json, os, socket, sys, time, uuid
 from pathlib import Path
 
 REG = Path(os.environ["FAKE_REGISTRY"])
@@ -709,32 +709,6 @@ def evidence(args):
     print("EVIDENCE " + json.dumps({"nodes": nodes, "actors": actors}))
 
 
-def completion(body):
-    prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
-    n = body["max_tokens"]
-    return {"choices": [{"index": i, "text": "x" * n,
-                         "token_ids": [(sum(p) + k) % 1000 for k in range(n)],
-                         "logprobs": {"token_logprobs": [-0.5] * n}} for i, p in enumerate(prompts)]}
-
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        data = json.dumps(completion(body)).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *a):
-        pass
-
-
 def serve(args):
     tp, pp = int(flag(args, "--tensor-parallel-size")), int(flag(args, "--pipeline-parallel-size"))
     print("(APIServer pid=%d) INFO 11-30 12:00:00 [api_server.py:1] vLLM API server version 0.24.0" % os.getpid())
@@ -756,7 +730,9 @@ def serve(args):
                       f"potential backends: ['CUSTOM'].")
     sys.stdout.flush()
     time.sleep(1)
-    http.server.ThreadingHTTPServer(("127.0.0.1", int(flag(args, "--port"))), Handler).serve_forever()
+    sys.path.insert(0, {tests_dir})  # the tests' fake vLLM server answers for it
+    import fake_vllm
+    fake_vllm.FakeServer(fake_vllm.FakeVllm(fake_vllm.served_name(args[2:])), int(flag(args, "--port"))).httpd.serve_forever()
 
 
 def model_info_fill(args):
@@ -814,7 +790,7 @@ def run_fake_call(tmp_path, monkeypatch, layouts: str, probes: dict, ray_root: P
     fake_site(tmp_path / "site-stock", sites[0])
     fake_site(tmp_path / "site-overlay", sites[1])
     fake = tmp_path / "fakepy"
-    fake.write_text(FAKE_PYTHON)
+    fake.write_text(FAKE_PYTHON.replace("{tests_dir}", repr(str(Path(__file__).resolve().parent))))
     fake.chmod(0o755)
     model = tmp_path / "model"
     model.mkdir()

@@ -10,13 +10,11 @@ Built from the real H200 run r18 (tests/data/r18-*, excerpts of its output):
   call reported "DeepGEMM backend is unavailable".
 """
 
-import http.server
 import json
 import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ from dsa_image.validation import b12x_serving, recipes, serving_modes
 # The free-port helper the smoke tests use (tests/ is on sys.path as pytest runs them).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bench import add_fake_model_registry  # noqa: E402
+from fake_vllm import FakeServer, FakeVllm  # noqa: E402
 from test_smoke_fakes import free_port  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
@@ -116,10 +115,9 @@ def test_a_recorded_run_with_an_error_before_shutdown_reevaluates_to_fail(tmp_pa
 # vllm/utils/deep_gemm.py does (site-packages `deep_gemm` first, else the vendored copy) with the
 # real import system, logs what the real servers logged in either case, and answers like vLLM.
 FAKE_VLLM_MAIN = textwrap.dedent('''
-    import http.server, importlib, json, os, pathlib, sys
+    import importlib, os, pathlib, sys
 
     data = pathlib.Path(os.environ["FAKE_VLLM_DATA"])
-    port = int(sys.argv[sys.argv.index("--port") + 1])
     try:
         dg = importlib.import_module("deep_gemm")
     except ImportError:
@@ -130,31 +128,10 @@ FAKE_VLLM_MAIN = textwrap.dedent('''
     sys.stdout.write((data / "r18-recipe-tiny-glm5-deepgemm-vendored.log").read_text())
     sys.stdout.flush()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def _send(self, body):
-            raw = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def do_GET(self):
-            self._send({})
-
-        def do_POST(self):
-            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if self.path == "/v1/completions":
-                self._send({"choices": [{"text": "ok", "finish_reason": "length"}],
-                            "usage": {"prompt_tokens": len(request["prompt"]), "completion_tokens": 16}})
-            else:
-                self._send({"choices": [{"message": {"content": "ok", "tool_calls": []}}]})
-
-        def log_message(self, *args):
-            pass
-
-    http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-''')
+    sys.path.insert(0, TESTS)
+    import fake_vllm
+    fake_vllm.main(sys.argv[1:])
+''').replace("TESTS", repr(str(Path(__file__).resolve().parent)))
 
 
 @pytest.fixture
@@ -182,37 +159,9 @@ def _serve(tmp_path, site, port, timeout=60):
                              port, timeout)
 
 
-class _OldServer:
+def _old_server() -> FakeServer:
     """A server left running by an earlier call: answers /health and completions on its port."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            raw = json.dumps({"choices": [{"text": "old", "finish_reason": "length",
-                                           "message": {"content": "old"}}],
-                              "usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def log_message(self, *args):
-            pass
-
-    def __enter__(self):
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self.Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+    return FakeServer(FakeVllm())
 
 
 def test_a_run_serves_from_an_empty_home_even_after_a_killed_run(tmp_path, fake_vllm):
@@ -228,7 +177,7 @@ def test_a_run_serves_from_an_empty_home_even_after_a_killed_run(tmp_path, fake_
 
 
 def test_a_port_that_already_answers_is_refused_before_anything_starts(tmp_path, fake_vllm):
-    with _OldServer() as old:
+    with _old_server() as old:
         try:
             result, refusal = _serve(tmp_path, fake_vllm, old.port, timeout=30), None
         except Exception as exc:  # noqa: BLE001 - the refusal is checked below
@@ -242,7 +191,7 @@ def test_a_port_that_already_answers_is_refused_before_anything_starts(tmp_path,
 def test_health_counts_only_from_the_started_process_once_it_has_logged(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("")
-    with _OldServer() as old:
+    with _old_server() as old:
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait(30)
         with pytest.raises(RuntimeError, match="exited with 0 before /health answered"):

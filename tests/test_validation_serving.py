@@ -15,7 +15,7 @@ from dsa_image.validation import b12x_serving, recipes
 from dsa_image.validation import serving as serving_check
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_bench import FakeOpenAI, FakeServer  # noqa: E402
+from test_bench import FakeVllm, FakeServer  # noqa: E402
 
 LONE_BYTE = 257
 
@@ -112,9 +112,9 @@ def test_the_verdict_knows_0_33s_prefill_chunk_kernel():
 
 
 def test_complete_asks_for_the_top_5_as_token_ids():
-    with FakeServer(FakeOpenAI(faults={"empty_text"})) as server:
+    with FakeServer(FakeVllm(faults={"empty_text"})) as server:
         out = serving.complete(server.port, [9, 10, 11])
-    sent = server.state.requests[0]
+    sent = server.state.completions[0]
     assert sent["logprobs"] == serving.TOP_LOGPROBS == 5 and sent["return_tokens_as_token_ids"] is True
     assert out["text"] == "" and len(out["token_ids"]) == serving.MAX_TOKENS and serving.answered(out)
     assert all(top == [t + r for r in range(5)] for t, top in zip(out["token_ids"], out["top_tokens"], strict=True))

@@ -43,7 +43,7 @@ def test_a_unix_socket_server_is_reached_through_its_socket(tmp_path):
     class UnixHttpd(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         daemon_threads = True
 
-    state = fakes.FakeOpenAI()
+    state = fakes.FakeVllm()
     path = str(tmp_path / "vllm.sock")
     endpoint = warmup.serve_endpoint(["vllm", "serve", "m", "--uds", path, "--port", "1"], {})
     assert endpoint.uds == path and endpoint.base_url == f"http+unix://{path}"
@@ -55,7 +55,7 @@ def test_a_unix_socket_server_is_reached_through_its_socket(tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
-    assert len(state.requests) == 3
+    assert len(state.completions) == 3
 
 
 def test_api_key_from_the_flag_or_vllms_variable():
@@ -118,11 +118,11 @@ def test_every_planned_request_fits_the_served_max_model_len():
 
 
 def test_a_server_with_a_short_max_model_len_is_warmed_within_it():
-    state = fakes.FakeOpenAI(max_model_len=100, enforce_max_model_len=True)
+    state = fakes.FakeVllm(max_model_len=100, enforce_max_model_len=True)
     with fakes.FakeServer(state) as server:
         report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
     assert list(report["steps"]) == ["decode-c1-sampled", "decode-c1", "decode-c8", "decode-c32"]
-    assert max(len(r["prompt"]) + r["max_tokens"] for r in state.requests) == 100
+    assert max(len(r["prompt"]) + r["max_tokens"] for r in state.completions) == 100
 
 
 def test_settings_from_the_environment():
@@ -149,23 +149,23 @@ def test_settings_refuse_what_they_cannot_read_naming_the_variable_and_what_is_e
 
 
 def test_warm_sends_each_step_with_its_batch_in_flight_together():
-    state = fakes.FakeOpenAI(ttft_s=0.5, max_model_len=8192)  # long enough for 32 clients to overlap
+    state = fakes.FakeVllm(ttft_s=0.5, max_model_len=8192)  # long enough for 32 clients to overlap
     with fakes.FakeServer(state) as server:
         report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
     assert list(report["steps"]) == [s.name for s in warmup.plan_steps(8192)]
     assert report["model"] == "glm-5" and report["max_model_len"] == 8192
     assert state.max_active == 32  # the c=32 batch reached the server at once
-    prompts = [tuple(r["prompt"]) for r in state.requests]
+    prompts = [tuple(r["prompt"]) for r in state.completions]
     assert len(prompts) == len(set(prompts)) == 5 + 1 + 1 + 8 + 32 + 8  # none repeats: no prefix-cache hit
     assert {len(p) for p in prompts} >= set(warmup.DEFAULT_PREFILL)
-    assert all(r["ignore_eos"] and r["model"] == "glm-5" for r in state.requests)
-    sampled = [r for r in state.requests if r["temperature"] > 0]
+    assert all(r["ignore_eos"] and r["model"] == "glm-5" for r in state.completions)
+    sampled = [r for r in state.completions if r["temperature"] > 0]
     assert sampled and all(r["top_p"] == 0.9 and r["logprobs"] == 1 for r in sampled)
 
 
 def test_warm_sends_the_api_key():
     seen = []
-    with fakes.FakeServer(fakes.FakeOpenAI()) as server:
+    with fakes.FakeServer(fakes.FakeVllm()) as server:
         handler = server.httpd.RequestHandlerClass
         get, post = handler.do_GET, handler.do_POST
         handler.do_GET = lambda self: seen.append((self.path, self.headers.get("Authorization"))) or get(self)
@@ -180,7 +180,7 @@ def test_warm_sends_the_api_key():
 
 @pytest.mark.parametrize("fault, message", [("http_500", "HTTP 500"), ("short", "prefill-2049: 3 tokens for max_tokens=4")])
 def test_warm_fails_on_a_bad_answer(fault, message):
-    with fakes.FakeServer(fakes.FakeOpenAI(faults={fault})) as server:
+    with fakes.FakeServer(fakes.FakeVllm(faults={fault})) as server:
         with pytest.raises(warmup.WarmupError, match=message):
             warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), log=lambda line: None)
 
@@ -190,18 +190,18 @@ def test_a_busy_server_is_sent_the_request_again(monkeypatch):
     (QueueOverflowError; 0.24.0 has no such answer): the c=32 step under --max-num-queued-reqs
     must wait, not fail the warm-up and leave the container unhealthy for good."""
     monkeypatch.setattr(warmup, "RETRY_PAUSE_S", 0.01)
-    state = fakes.FakeOpenAI(busy=5)
+    state = fakes.FakeVllm(busy=5)
     lines = []
     with fakes.FakeServer(state) as server:
         report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                              warmup.Settings(prefill=(), concurrency=(4,)), lines.append)
-    assert state.refused == 5 and len(state.requests) == 1 + 4  # each request answered once in the end
+    assert state.refused == 5 and len(state.completions) == 1 + 4  # each request answered once in the end
     assert list(report["steps"]) == ["decode-c1-sampled", "decode-c4"]
 
 
 def test_a_server_busy_until_the_budget_ends_fails_saying_so(monkeypatch):
     monkeypatch.setattr(warmup, "RETRY_PAUSE_S", 0.05)
-    with fakes.FakeServer(fakes.FakeOpenAI(busy=10**6)) as server:
+    with fakes.FakeServer(fakes.FakeVllm(busy=10**6)) as server:
         with pytest.raises(warmup.WarmupError, match=r"decode-c1-sampled: HTTP 503 \(busy\) \d+ time\(s\) until out "
                                                      r"of time .*currently busy"):
             warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
@@ -209,19 +209,19 @@ def test_a_server_busy_until_the_budget_ends_fails_saying_so(monkeypatch):
 
 
 def test_other_errors_are_not_sent_again():
-    state = fakes.FakeOpenAI(faults={"http_500"})
+    state = fakes.FakeVllm(faults={"http_500"})
     with fakes.FakeServer(state) as server:
         with pytest.raises(warmup.WarmupError, match="HTTP 500"):
             warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                         warmup.Settings(prefill=(), concurrency=(1,)), lambda line: None)
-    assert len(state.requests) == 1
+    assert len(state.completions) == 1
 
 
 def test_the_report_says_what_the_mtp_draft_path_did(monkeypatch):
     """An MTP server has vLLM's spec-decode counters on /metrics: the warm-up records the drafts
     its requests made (the README's "through MTP's draft path when configured", checked)."""
     monkeypatch.setattr(warmup, "SPEC_SETTLE_PAUSE_S", 0.01)
-    state, lines = fakes.FakeOpenAI(spec=True), []
+    state, lines = fakes.FakeVllm(spec=True), []
     with fakes.FakeServer(state) as server:
         report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                              warmup.Settings(prefill=(2500,), concurrency=(2,)), lines.append)
@@ -236,7 +236,7 @@ def test_no_drafts_on_an_mtp_server_is_a_warning_and_none_without_mtp(monkeypatc
     monkeypatch.setattr(warmup, "SPEC_SETTLE_PAUSE_S", 0.01)
     for spec, expected in (("idle", {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}), (False, None)):
         lines = []
-        with fakes.FakeServer(fakes.FakeOpenAI(spec=spec)) as server:
+        with fakes.FakeServer(fakes.FakeVllm(spec=spec)) as server:
             report = warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"),
                                  warmup.Settings(prefill=(), concurrency=(1,)), lines.append)
         assert report["spec_decode"] == expected
@@ -263,14 +263,14 @@ def test_spec_counters_of_a_real_vllm_0_33_exposition():
 
 
 def test_warm_fails_when_out_of_time():
-    with fakes.FakeServer(fakes.FakeOpenAI(ttft_s=0.3)) as server:
+    with fakes.FakeServer(fakes.FakeVllm(ttft_s=0.3)) as server:
         with pytest.raises(warmup.WarmupError, match="out of time"):
             warmup.warm(warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}"), warmup.Settings(timeout_s=0.5),
                         lambda line: None)
 
 
 def test_wait_healthy_polls_until_200_and_gives_up_when_the_server_is_gone():
-    with fakes.FakeServer(fakes.FakeOpenAI(unhealthy_polls=3)) as server:
+    with fakes.FakeServer(fakes.FakeVllm(unhealthy_polls=3)) as server:
         endpoint = warmup.Endpoint.from_url(f"http://127.0.0.1:{server.port}")
         assert warmup.wait_healthy(endpoint, lambda: True, time.monotonic() + 10, poll_s=0.01)
         assert not warmup.wait_healthy(endpoint, lambda: False, time.monotonic() + 10)
@@ -453,41 +453,14 @@ def test_a_supervised_server_with_a_short_max_model_len_becomes_warm(tmp_path):
     assert list(doc["warmup"]["steps"]) == ["decode-c1-sampled", "decode-c1", "decode-c4"]
 
 
-# A server answering what SCRIPTED_ANSWERS (JSON: path -> {body, delay_s, trickle_s}) says, in a
-# process of its own; body "COMPLETION" is a correct completion, "MODELS" a correct /v1/models.
-SCRIPTED_SERVER = r"""
-import http.server, json, os, sys, time
-port = int(sys.argv[sys.argv.index("--port") + 1])
-answers = json.loads(os.environ.get("SCRIPTED_ANSWERS", "{}"))
-class Handler(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-    def answer(self):
-        sent = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-        how = {"/v1/models": {"body": "MODELS"}, "/v1/completions": {"body": "COMPLETION"}}.get(self.path, {"body": ""})
-        how = {**how, **answers.get(self.path, {})}
-        body = {"MODELS": json.dumps({"data": [{"id": "m", "max_model_len": 8192}]}),
-                "COMPLETION": json.dumps({"usage": {"completion_tokens": sent.get("max_tokens")}})}.get(how["body"], how["body"])
-        time.sleep(how.get("delay_s", 0))
-        data = body.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        for i in range(len(data)):  # byte by byte when trickling: every read gets something in time
-            time.sleep(how.get("trickle_s", 0))
-            self.wfile.write(data[i:i + 1])
-            self.wfile.flush()
-    do_GET = do_POST = answer
-class Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-Server(("127.0.0.1", port), Handler).serve_forever()
-"""
-
-
+# tests/fake_vllm.py in a process of its own, as `vllm serve m`; what it answers out of the
+# ordinary is scripted_env's answers (path -> {body, delay_s, trickle_s}, fake_vllm.FakeVllm's).
 def scripted_server_argv(tmp_path: Path, port: int) -> list[str]:
-    script = tmp_path / "scripted_server.py"
-    script.write_text(SCRIPTED_SERVER)
-    return [sys.executable, str(script), "serve", "m", "--port", str(port)]
+    return [sys.executable, str(Path(__file__).resolve().parent / "fake_vllm.py"), "serve", "m", "--port", str(port)]
+
+
+def scripted_env(answers: dict) -> dict:
+    return {"FAKE_VLLM_OPTIONS": json.dumps({"answers": answers})}
 
 
 @pytest.mark.parametrize("path, body, reason", [
@@ -503,7 +476,7 @@ def test_a_malformed_answer_fails_the_warmup_with_a_marker_saying_why(tmp_path, 
     warm-up thread, which died without a marker: the health check said "warming up" for good."""
     marker, port = tmp_path / "warm.json", fakes.free_ports(1)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), "DSA_IMAGE_WARMUP_PREFILL": "3000",
-           "DSA_IMAGE_WARMUP_CONCURRENCY": "1", "SCRIPTED_ANSWERS": json.dumps({path: {"body": body}})}
+           "DSA_IMAGE_WARMUP_CONCURRENCY": "1", **scripted_env({path: {"body": body}})}
     supervisor = subprocess.Popen([sys.executable, "-m", "dsa_image.runtime.warmup", "supervise", "--marker", str(marker), "--",
                                    *scripted_server_argv(tmp_path, port)], env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -541,16 +514,15 @@ def test_the_supervisor_refuses_a_budget_a_socket_cannot_take_before_starting_th
 
 
 @pytest.mark.parametrize("answers, during", [
-    ({"/v1/completions": {"body": "COMPLETION", "trickle_s": 0.25}}, "step decode-c1-sampled"),
-    ({"/v1/models": {"body": "MODELS", "delay_s": 3}}, "GET /v1/models"),
+    ({"/v1/completions": {"trickle_s": 0.25}}, "step decode-c1-sampled"),
+    ({"/v1/models": {"delay_s": 3}}, "GET /v1/models"),
 ])
 def test_the_budget_is_one_deadline_for_the_whole_warmup(tmp_path, answers, during):
     """Issue #24 item 18: 2 s took 19 s. A socket timeout bounds each read, not a request: a
     server sending a byte every 0.25 s (or /v1/models, which had 30 s of its own) ran past the
     budget. Measured: the warm-up ends within its budget and says where it was."""
     port = fakes.free_ports(1)
-    server = subprocess.Popen(scripted_server_argv(tmp_path, port), env={**os.environ,
-                                                                        "SCRIPTED_ANSWERS": json.dumps(answers)})
+    server = subprocess.Popen(scripted_server_argv(tmp_path, port), env={**os.environ, **scripted_env(answers)})
     try:
         endpoint = warmup.Endpoint.from_url(f"http://127.0.0.1:{port}")
         assert wait_for(lambda: warmup.is_healthy(endpoint))
