@@ -16,6 +16,7 @@ import socket
 import sys
 import textwrap
 import time
+import types
 from dataclasses import asdict
 from pathlib import Path
 
@@ -813,16 +814,13 @@ def test_one_server_failing_does_not_stop_the_others(monkeypatch):
     monkeypatch.setattr(serving_modes.time, "monotonic", lambda: next(clock))
     monkeypatch.setattr(serving_modes.time, "sleep", lambda seconds: None)
 
-    def is_healthy(server):
-        if server["name"] == "dead":
-            raise RuntimeError("dead exited with 1 before becoming healthy")
-        return server["name"] == "ok"
-
-    monkeypatch.setattr(serving_modes.serving, "is_healthy", is_healthy)
-    servers = [{"name": n, "started": 0, "log": f"server-{n}.log"} for n in ("ok", "dead", "slow")]
+    monkeypatch.setattr(serving_modes.serving, "is_healthy", lambda server: server["name"] == "ok")
+    servers = [{"name": n, "started": 0, "log": f"server-{n}.log",
+                "proc": types.SimpleNamespace(poll=lambda n=n: 1 if n == "dead" else None)}
+               for n in ("ok", "dead", "slow")]
     status = serving_modes.wait_each_healthy(servers, deadline=50)
     assert isinstance(status["ok"], (int, float))
-    assert status["dead"] == "error: dead exited with 1 before becoming healthy"
+    assert status["dead"] == "error: dead exited with 1 before becoming healthy; see server-dead.log"
     assert status["slow"].startswith("error: not healthy in time")
 
 

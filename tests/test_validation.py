@@ -4,6 +4,7 @@ serving's health timing.
 The comparison needs torch: it runs in the image's test stage, and skips elsewhere."""
 
 import collections
+import types
 
 import pytest
 
@@ -54,6 +55,9 @@ def test_comparison_checks_the_overlays_exact_decode_max():
     assert compare.compare_scenario(stock, wrong) == ["decode.max_seq_len 6 != exact 7"]
 
 
+RUNNING = types.SimpleNamespace(poll=lambda: None)  # a server process that has not exited
+
+
 def test_each_server_is_timed_to_its_own_first_healthy_answer(monkeypatch):
     from dsa_image.harness import server as serving
 
@@ -67,7 +71,7 @@ def test_each_server_is_timed_to_its_own_first_healthy_answer(monkeypatch):
         return polls[server["name"]] >= {"fast": 1, "slow": 3}[server["name"]]
 
     monkeypatch.setattr(serving, "is_healthy", healthy_on_poll)
-    servers = [{"name": "slow", "started": 0}, {"name": "fast", "started": 0}]
+    servers = [{"name": n, "started": 0, "proc": RUNNING} for n in ("slow", "fast")]
     after = serving.wait_all_healthy(servers, deadline=500)
     assert after["fast"] < after["slow"]
     assert polls == {"slow": 3, "fast": 1}  # a healthy server is not polled again
@@ -81,7 +85,7 @@ def test_a_server_that_never_answers_is_named(monkeypatch):
     monkeypatch.setattr(serving.time, "sleep", lambda seconds: None)
     monkeypatch.setattr(serving, "is_healthy", lambda server: server["name"] == "fast")
     with pytest.raises(TimeoutError, match="slow not healthy in time"):
-        serving.wait_all_healthy([{"name": "slow", "started": 0}, {"name": "fast", "started": 0}], 100)
+        serving.wait_all_healthy([{"name": n, "started": 0, "proc": RUNNING} for n in ("slow", "fast")], 100)
 
 
 def test_the_growth_check_expects_one_row_per_query_token_only_when_flattened():

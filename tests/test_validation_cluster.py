@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -422,8 +423,9 @@ def test_a_control_server_is_settled_by_its_logged_index_error(tmp_path, monkeyp
     log.write_text(CONTROL_LOG)
     healthy_log = tmp_path / "ok.log"
     healthy_log.write_text("")
-    servers = [{"name": "control", "log": str(log), "started": 0.0},
-               {"name": "fine", "log": str(healthy_log), "started": 0.0}]
+    running = types.SimpleNamespace(poll=lambda: None)
+    servers = [{"name": "control", "log": str(log), "started": 0.0, "proc": running},
+               {"name": "fine", "log": str(healthy_log), "started": 0.0, "proc": running}]
     monkeypatch.setattr(cluster.serving, "is_healthy", lambda s: s["name"] == "fine")
     clock = iter(range(100, 1000))
     monkeypatch.setattr(cluster.time, "monotonic", lambda: next(clock))

@@ -20,6 +20,7 @@ from typing import Callable
 
 from dsa_image.build import model_info_cache
 from dsa_image.core.compile_caches import cache_env
+from dsa_image.harness import health
 from dsa_image.harness.client import Client
 from dsa_image.core.site_path import pythonpath
 
@@ -113,28 +114,32 @@ def start_server(name, site, model, port, out_dir, extra_args, *, home=None,
 
 
 def is_healthy(server) -> bool:
-    if server["proc"].poll() is not None:
-        raise RuntimeError(f"{server['name']} exited with {server['proc'].returncode}"
-                           f" before becoming healthy; see {server['log']}")
+    """Whether the server's /health answers 200 (whoever answers on its port: see watch)."""
     return Client.local(server["port"]).status("/health") == 200
 
 
-def wait_all_healthy(servers, deadline) -> dict:
-    """Seconds from each server's start until its /health first answers.
+def watch(server: dict, settled: Callable[[dict], str | None] | None = None) -> health.Watch:
+    """A server start_server started, as health.wait watches it. `settled(server)` may end the
+    wait for one that will never be healthy, with its reason."""
+    return health.Watch(server["name"], lambda: is_healthy(server), lambda: server["proc"].poll(), server["started"],
+                        settled=(lambda: settled(server)) if settled else lambda: None)
 
-    All are polled in each round: waiting for one server at a time would record the
-    later ones as healthy when the first was, not when they were.
-    """
-    healthy_after = {}
-    while time.monotonic() < deadline:
-        for server in servers:
-            if server["name"] not in healthy_after and is_healthy(server):
-                healthy_after[server["name"]] = round(time.monotonic() - server["started"], 1)
-        if len(healthy_after) == len(servers):
-            return healthy_after
-        time.sleep(1)
-    late = [s["name"] for s in servers if s["name"] not in healthy_after]
-    raise TimeoutError(f"{', '.join(late)} not healthy in time; see their server-*.log")
+
+def _exited(server: dict, outcome: health.Outcome) -> str:
+    return f"{server['name']} exited with {outcome.exit_code} before becoming healthy; see {server['log']}"
+
+
+def wait_all_healthy(servers: list[dict], deadline: float) -> dict[str, float]:
+    """Seconds from each server's start until its /health first answers, for a harness that needs
+    them all: the first that exits raises RuntimeError, and those late at `deadline` TimeoutError."""
+    outcomes = health.wait([watch(s) for s in servers], deadline, first_failure_ends=True)
+    for server in servers:
+        if outcomes[server["name"]].exit_code is not None:
+            raise RuntimeError(_exited(server, outcomes[server["name"]]))
+    late = [s["name"] for s in servers if outcomes[s["name"]].healthy_s is None]
+    if late:
+        raise TimeoutError(f"{', '.join(late)} not healthy in time; see their server-*.log")
+    return {name: round(o.healthy_s or 0.0, 1) for name, o in outcomes.items()}
 
 
 def complete(port: int, prompt: list[int]) -> dict:
@@ -327,23 +332,18 @@ def stop(server) -> None:
 
 def wait_each_healthy(servers: list[dict], deadline: float, poll_s: float = 1.0,
                       settled: Callable[[dict], str | None] | None = None) -> dict[str, float | str]:
-    """Seconds from start to healthy per server, or "error: ..." for one that exited or was
-    late. Unlike wait_all_healthy, one server failing (a build that cannot start in a
-    mode) does not stop the others from being waited for and used. `settled(server)` may end
-    the wait for a server that will never be healthy, with its reason (the cluster's controls)."""
-    status: dict[str, float | str] = {}
-    while True:
-        for server in (s for s in servers if s["name"] not in status):
-            try:
-                if is_healthy(server):
-                    status[server["name"]] = round(time.monotonic() - server["started"], 1)
-                elif settled is not None and (reason := settled(server)):
-                    status[server["name"]] = f"error: {reason}"
-            except RuntimeError as exc:  # the process exited
-                status[server["name"]] = f"error: {exc}"
-        if len(status) == len(servers) or time.monotonic() >= deadline:
-            break
-        time.sleep(poll_s)
-    for server in servers:
-        status.setdefault(server["name"], f"error: not healthy in time; see {Path(server['log']).name}")
-    return status
+    """Seconds from start to healthy per server, or "error: ..." for one that exited, was settled
+    or was late. Unlike wait_all_healthy, one server failing (a build that cannot start in a
+    mode) does not stop the others from being waited for and used."""
+    outcomes = health.wait([watch(s, settled) for s in servers], deadline, poll_s)
+    return {s["name"]: _seconds_or_error(s, outcomes[s["name"]]) for s in servers}
+
+
+def _seconds_or_error(server: dict, outcome: health.Outcome) -> float | str:
+    if outcome.healthy_s is not None:
+        return round(outcome.healthy_s, 1)
+    if outcome.exit_code is not None:
+        return f"error: {_exited(server, outcome)}"
+    if outcome.settled is not None:
+        return f"error: {outcome.settled}"
+    return f"error: not healthy in time; see {Path(server['log']).name}"

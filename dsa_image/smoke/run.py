@@ -15,6 +15,7 @@ from dsa_image.core.recipe import Recipe, RecipeError, Target
 from dsa_image.smoke import checks as C
 from dsa_image.smoke.expect import capability_problem, expected_for, target_for_capability
 from dsa_image.smoke.gpu import capability_of
+from dsa_image.harness import health
 from dsa_image.harness.client import Client
 from dsa_image.smoke.layout import SINGLE_GPU, Layout, logged_layout, summary
 from dsa_image.smoke.report import LOG_NAME, Report, log_tail, summarize_receipt, write_report
@@ -116,33 +117,25 @@ def wait_healthy(server: Server, client: Client, timeout_s: float,
     The image's /health answers before its warm-up requests have run; checks sent then would
     be batched with the warm-up's traffic and time the compiles the warm-up exists to take."""
     start = clock()
-    answered_s = None
-    while True:
-        if answered_s is None and client.status("/health") == 200:
-            answered_s = clock() - start
-        if answered_s is not None:
-            problem = server.warm_problem()
-            if problem is None:
-                seconds = clock() - start
-                return C.Check("server_healthy", True,
-                               f"/health answered 200 after {answered_s:.1f} s, ready after {seconds:.1f} s",
-                               seconds, {"time_to_healthy_s": round(seconds, 1),
-                                         "health_answered_s": round(answered_s, 1)})
-        code = server.exit_code()
-        if code is not None:
-            when = "before /health answered" if answered_s is None else "after /health answered, before it was ready"
-            return C.Check("server_healthy", False,
-                           f"the server exited with code {code} after {clock() - start:.1f} s, {when}; "
-                           f"log tail:\n{_startup_tail(server)}", clock() - start,
-                           {"exit_code": code})
-        if clock() - start > timeout_s:
-            waited_for = ("/health did not answer 200" if answered_s is None else
-                          f"/health answered after {answered_s:.1f} s but the server was not ready "
-                          f"({problem})")
-            return C.Check("server_healthy", False,
-                           f"{waited_for} within {timeout_s:.0f} s (raise --health-timeout for big "
-                           f"models); log tail:\n{_startup_tail(server)}", clock() - start)
-        sleep(POLL_S)
+    watched = health.Watch("server", lambda: client.status("/health") == 200, server.exit_code, start,
+                           ready=server.warm_problem)
+    outcome = health.wait([watched], start + timeout_s, POLL_S, clock=clock, sleep=sleep)["server"]
+    answered_s, seconds = outcome.answered_s, outcome.ended_s or 0.0
+    if outcome.healthy_s is not None:
+        return C.Check("server_healthy", True,
+                       f"/health answered 200 after {answered_s:.1f} s, ready after {outcome.healthy_s:.1f} s",
+                       outcome.healthy_s, {"time_to_healthy_s": round(outcome.healthy_s, 1),
+                                           "health_answered_s": round(answered_s or 0.0, 1)})
+    if outcome.exit_code is not None:
+        when = "before /health answered" if answered_s is None else "after /health answered, before it was ready"
+        return C.Check("server_healthy", False,
+                       f"the server exited with code {outcome.exit_code} after {seconds:.1f} s, {when}; "
+                       f"log tail:\n{_startup_tail(server)}", seconds, {"exit_code": outcome.exit_code})
+    waited_for = ("/health did not answer 200" if answered_s is None else
+                  f"/health answered after {answered_s:.1f} s but the server was not ready ({outcome.not_ready})")
+    return C.Check("server_healthy", False,
+                   f"{waited_for} within {timeout_s:.0f} s (raise --health-timeout for big "
+                   f"models); log tail:\n{_startup_tail(server)}", seconds)
 
 
 def _startup_tail(server: Server) -> str:

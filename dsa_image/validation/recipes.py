@@ -41,6 +41,7 @@ from dsa_image.core.recipe import RECIPES_DIR, Recipe, load_recipe
 from dsa_image.core.site_path import pythonpath
 from dsa_image.serving.launch import environment, vllm_args
 from dsa_image.serving.recipes import ServeRecipe, attention_backend, kv_cache_dtype, load_serve_recipe, serve_recipe_names
+from dsa_image.harness import health
 from dsa_image.harness.client import Client, HttpError
 from dsa_image.harness.server import answered, prompts, stop
 from dsa_image.core import status
@@ -266,15 +267,15 @@ def wait_healthy(proc: subprocess.Popen, port: int, log_path: Path, timeout: flo
     still doing (e.g. vLLM 0.33.0's "flashinfer.jit: Building JIT module sampling"), since the
     log's end afterwards is the traceback the stop itself causes (ninja "interrupted by user")."""
     started = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode} before /health answered")
-        if _healthy(port) and proc.poll() is None and log_path.stat().st_size > 0:
-            return round(time.monotonic() - started, 1)
-        if time.monotonic() - started > timeout:
-            raise TimeoutError(f"not healthy after {timeout:.0f} s; still running, its last log line: "
-                               f"{last_log_line(log_path) or '(none)'}")
-        time.sleep(poll_s)
+    alive = health.Watch("server", lambda: _healthy(port) and proc.poll() is None and log_path.stat().st_size > 0,
+                  proc.poll, started)
+    outcome = health.wait([alive], started + timeout, poll_s)["server"]
+    if outcome.exit_code is not None:
+        raise RuntimeError(f"the server exited with {outcome.exit_code} before /health answered")
+    if outcome.healthy_s is None:
+        raise TimeoutError(f"not healthy after {timeout:.0f} s; still running, its last log line: "
+                           f"{last_log_line(log_path) or '(none)'}")
+    return round(outcome.healthy_s, 1)
 
 
 def serve_one(run: ScaledRun, model: Path, out: Path, work: Path, python: str, site: str | None, port: int,
