@@ -97,18 +97,16 @@ def test_the_installed_roots_are_this_pythons_site_packages_not_sys_path():
 
 
 def test_the_install_phase_copies_exactly_the_selections_rows_left_to_the_h200(tmp_path, monkeypatch):
-    from types import SimpleNamespace
+    from dsa_image.validation import stage
 
-    from dsa_image.validation import phases, stage
-
-    (tmp_path / "stage").mkdir()
-    (tmp_path / "stage" / stage.SELECTION).write_text(
+    selection = tmp_path / stage.SELECTION
+    selection.write_text(
         "torch==2.14.0  torch-2.14.0-cp312-cp312-manylinux_2_28_x86_64.whl  the H200 has 2.11.0\n"
         f"nvidia-cufft==12.0.0.61  {stage.FROM_H200}  {stage.COPIED}\n")
-    copied = []
+    copied, said = [], []
     monkeypatch.setattr(dist_copy, "copy_dist", lambda name, version, site: copied.append((name, version, site)) or 3)
-    session = SimpleNamespace(paths=SimpleNamespace(stage=tmp_path / "stage", site_stock=tmp_path / "site"))
-    assert phases.copy_from_h200(session) == phases.OK
+    assert dist_copy.copy_listed(selection, tmp_path / "site", said.append) == dist_copy.status.SUCCESS
     assert copied == [("nvidia-cufft", "12.0.0.61", tmp_path / "site")]
-    (tmp_path / "stage" / stage.SELECTION).unlink()
-    assert phases.copy_from_h200(session) == phases.FAILED
+    assert said == [f"nvidia-cufft==12.0.0.61: 3 files of the H200's installation into {tmp_path / 'site'}"]
+    selection.unlink()
+    assert dist_copy.copy_listed(selection, tmp_path / "site", said.append) == dist_copy.status.FAILED

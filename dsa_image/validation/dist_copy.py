@@ -5,7 +5,7 @@ has them at the lock's version (dsa_image.validation.stage.COPIED): the install 
 H200's installed copy instead. Its RECORD is read as untrusted input, like a wheel's: every
 entry must name a regular file inside the installation's site-packages and match the sha256 and
 size listed for it, nothing may already exist in the target site, and a failure removes what
-this copy wrote. Stdlib only (it runs in the session runner on the device).
+this copy wrote. It runs in the session runner on the device, in the H200's own Python.
 """
 
 from __future__ import annotations
@@ -14,11 +14,14 @@ import base64
 import hashlib
 import re
 import shutil
+import sys
 import sysconfig
 from importlib import metadata
 from pathlib import Path, PurePosixPath
+from typing import Callable
 
 from dsa_image.core import status, wheels
+from dsa_image.validation import stage
 
 BYTECODE = ".pyc"  # pip records compiled bytecode without a hash: a cache, rebuilt on import
 
@@ -27,6 +30,25 @@ class CopyError(status.DsaImageError):
     """An installed distribution cannot be copied as it is recorded; says what was found."""
 
     exit_code = status.ENVIRONMENT
+
+
+def copy_listed(selection: Path, site: Path, say: Callable[[str], None]) -> int:
+    """The install phase's step: every pin a bundle's selection.txt leaves to the H200's own
+    installation (file column stage.FROM_H200: torch's CUDA libraries at the lock's version)
+    copied into `site`. 0, or 1 with the reason on stderr."""
+    if not selection.is_file():
+        print(f"install: expected {selection} (it rides with the first part); carry it", file=sys.stderr)
+        return status.FAILED
+    for name, (version, source) in sorted(stage.parse_selection(selection.read_text()).items()):
+        if source != stage.FROM_H200:
+            continue
+        try:
+            count = copy_dist(name, version, site)
+        except (CopyError, OSError) as exc:
+            print(f"install: {exc}", file=sys.stderr)
+            return status.FAILED
+        say(f"{name}=={version}: {count} files of the H200's installation into {site}")
+    return status.SUCCESS
 
 
 def installed_roots() -> list[Path]:

@@ -243,7 +243,7 @@ def install(s: Session) -> int:
                 *sorted(p.wheels.glob("*.whl")), log_path=pip_log):
         tail(pip_log, 20)
         return FAILED
-    if copy_from_h200(s) or torch_libs(s) or s.run(["cp", "-a", p.site_stock, p.site_overlay]):
+    if dist_copy.copy_listed(p.stage / stage.SELECTION, p.site_stock, log) or torch_libs(s) or s.run(["cp", "-a", p.site_stock, p.site_overlay]):
         return FAILED
     log("applying the overlay with our tool")
     overlay = [p.repo / "scripts" / "overlay.py"]
@@ -256,27 +256,6 @@ def install(s: Session) -> int:
         return FAILED
     if not p.model.is_dir():
         tiny_model.write_model(p.model)
-    return OK
-
-
-def copy_from_h200(s: Session) -> int:
-    """The pins staging left to the H200's own installation (selection.txt's FROM_H200 rows: torch's
-    CUDA libraries at the lock's version) go into the stock site from it, each file checked."""
-    p = s.paths
-    selection = p.stage / stage.SELECTION
-    if not selection.is_file():
-        print(f"install: expected {selection} (it rides with the first part); carry it", file=sys.stderr)
-        return FAILED
-    listed = stage.parse_selection(selection.read_text())
-    for name, (version, source) in sorted(listed.items()):
-        if source != stage.FROM_H200:
-            continue
-        try:
-            count = dist_copy.copy_dist(name, version, p.site_stock)
-        except (dist_copy.CopyError, OSError) as exc:
-            print(f"install: {exc}", file=sys.stderr)
-            return FAILED
-        log(f"{name}=={version}: {count} files of the H200's installation into {p.site_stock}")
     return OK
 
 
