@@ -1,5 +1,6 @@
-"""The paired benchmark's client: one streamed completion timed to its first and last token,
-a closed-loop round of them, and what a round's samples give per side.
+"""The paired benchmark's requests: one streamed completion timed to its first and last token
+(over the harness client's event stream), a closed-loop round of them, and what a round's
+samples give per side.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from dsa_image.bench.stats import quantile
+from dsa_image.harness.client import Client, HttpError
 
 @dataclass
 class Sample:
@@ -37,26 +39,22 @@ class Sample:
         return (self.last_token - self.first_token) / (self.tokens - 1)
 
 
-def _completion_body(model: str, prompt: list[int], max_tokens: int) -> bytes:
+def _completion_payload(model: str, prompt: list[int], max_tokens: int) -> dict:
     # Greedy and ignore_eos: every request produces exactly max_tokens on both builds.
     # continuous_usage_stats counts the tokens of each chunk (MTP sends several at once)
     # without return_token_ids, whose first chunk would echo a 32k-token prompt.
-    return json.dumps({
+    return {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }).encode()
+    }
 
 
-def _read_stream(response, sample: Sample) -> None:
-    for raw in response:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
+def _read_stream(events, sample: Sample) -> None:
+    """Fold (arrival, data) events into `sample`, to the stream's [DONE]."""
+    for now, data in events:
+        if data == "[DONE]":
             return
-        now = time.perf_counter()
         event = json.loads(data)
         if "error" in event:
             raise RuntimeError(f"error event: {event['error']}")
@@ -84,22 +82,18 @@ def stream_completion(port: int, model: str, prompt: list[int], max_tokens: int,
                       timeout: float = 600.0, host: str = "127.0.0.1") -> Sample:
     """POST a streaming completion; time the first and last token. Never raises: a failed
     request is a Sample with an error (a round with errors is left out of the statistics)."""
-    connection = http.client.HTTPConnection(host, port, timeout=timeout)
     sample = Sample(start=time.perf_counter(), end=0.0)
     try:
-        connection.request("POST", "/v1/completions", _completion_body(model, prompt, max_tokens),
-                           {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-        _read_stream(response, sample)
+        stream = Client(f"http://{host}:{port}", timeout).open_stream(
+            "/v1/completions", _completion_payload(model, prompt, max_tokens))
+        with stream as (_, events):
+            _read_stream(events, sample)
         if sample.tokens != max_tokens:
             raise RuntimeError(f"{sample.tokens} tokens, expected {max_tokens}")
-    except (OSError, ValueError, RuntimeError, http.client.HTTPException) as exc:
+    except (HttpError, OSError, ValueError, RuntimeError, http.client.HTTPException) as exc:
         sample.error = f"{type(exc).__name__}: {exc}"
     finally:
         sample.end = time.perf_counter()
-        connection.close()
     return sample
 
 

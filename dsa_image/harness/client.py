@@ -1,15 +1,17 @@
-"""The harnesses' one OpenAI-compatible HTTP client (smoke, validation, the shared server
-lifecycle): GET, POST, a server-sent-event stream, the status of a path. On urllib: the smoke
-test's local runtime must work in a Python environment that has no `requests`."""
+"""The harnesses' one OpenAI-compatible HTTP client (smoke, validation, bench, the shared server
+lifecycle): GET, POST, a server-sent-event stream (whole, or event by event with each one's
+arrival time), the status of a path. On urllib: the smoke test's local runtime must work in a
+Python environment that has no `requests`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from dsa_image.core import status
 
@@ -93,11 +95,20 @@ class Client:
     def post_stream(self, path: str, payload: Any) -> StreamResponse:
         """POST and read a server-sent-event stream to its end (the server closing it)."""
         start = time.monotonic()
-        events = []
+        with self.open_stream(path, payload) as (status, events):
+            payloads = [data for _, data in events]
+        return StreamResponse(status, payloads, time.monotonic() - start)
+
+    @contextlib.contextmanager
+    def open_stream(self, path: str, payload: Any) -> Iterator[tuple[int, Iterator[tuple[float, str]]]]:
+        """POST; (status, events): each `data:` payload as it arrives, with its arrival
+        (time.perf_counter(), read before the payload is parsed: a benchmark times tokens by it)."""
         with self._open(self._request("POST", path, payload), None) as r:
-            status = r.status
-            for raw_line in r:
-                line = raw_line.decode(errors="replace").strip()
-                if line.startswith("data:"):
-                    events.append(line[len("data:"):].strip())
-        return StreamResponse(status, events, time.monotonic() - start)
+            yield r.status, _events(r)
+
+
+def _events(response) -> Iterator[tuple[float, str]]:
+    for raw_line in response:
+        line = raw_line.decode(errors="replace").strip()
+        if line.startswith("data:"):
+            yield time.perf_counter(), line[len("data:"):].strip()

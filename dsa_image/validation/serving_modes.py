@@ -41,7 +41,6 @@ Stdlib only (and the repository). Usage:
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import re
@@ -53,6 +52,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from dsa_image.build import model_info_cache
+from dsa_image.harness.client import Client, HttpError
 from dsa_image.core.dist_info import installed_versions
 from dsa_image.runtime.spec_decode_metrics import acceptance, counter_delta, settled_spec_counters
 from dsa_image.harness import server as serving
@@ -118,19 +118,13 @@ def mode_prompts(mode: Mode, token_ids: list[int], batch: str) -> list[list[int]
 
 def complete_batch(port: int, prompts: list[list[int]], max_tokens: int, timeout: float = 900) -> list[dict]:
     """One completion request for all `prompts` (they reach the engine together), greedy."""
-    body = json.dumps({"model": serving.SERVED_NAME, "prompt": prompts, "max_tokens": max_tokens,
-                       "temperature": 0.0, "logprobs": 1, "return_token_ids": True,
-                       "ignore_eos": True}).encode()
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    payload = {"model": serving.SERVED_NAME, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+               "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
     try:
-        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        raw = response.read()
-    finally:
-        connection.close()
-    if response.status != 200:
-        raise RuntimeError(f"port {port}: HTTP {response.status}: {raw[:500]!r}")
-    choices = sorted(json.loads(raw)["choices"], key=lambda c: c["index"])
+        body = Client.local(port, timeout).post("/v1/completions", payload).body
+    except HttpError as exc:
+        raise RuntimeError(f"port {port}: {exc}") from None
+    choices = sorted(body["choices"], key=lambda c: c["index"])
     return [serving.parse_choice(c) for c in choices]
 
 
