@@ -86,14 +86,10 @@ def find_server(proc: Path = PROC) -> tuple[int, list[str]]:
 
 def probe(endpoint: Endpoint, timeout: float = TIMEOUT_S) -> str | None:
     """None when GET /health answers 200, else why not."""
-    connection = endpoint.connection(timeout)
     try:
-        connection.request("GET", "/health")
-        status = connection.getresponse().status
+        status = endpoint.request("/health", timeout=timeout)[0]
     except (OSError, http.client.HTTPException) as exc:
         return f"GET {endpoint.url('/health')}: {exc}"
-    finally:
-        connection.close()
     return None if status == 200 else f"GET {endpoint.url('/health')}: HTTP {status}"
 
 

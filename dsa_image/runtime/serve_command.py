@@ -20,6 +20,7 @@ document) is a ConfigError naming the line: this reader never guesses which keys
 from __future__ import annotations
 
 import http.client
+import json
 import re
 import socket
 import ssl
@@ -200,6 +201,22 @@ class Endpoint:
             context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
             return http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=context)
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def request(self, path: str, payload=None, timeout: float = 600.0) -> tuple[int, bytes]:
+        """The image's one HTTP request to the server it runs: GET `path`, or POST `payload` as
+        JSON; (status, body), with the API key when vLLM has one. Raises OSError /
+        HTTPException when nothing answers."""
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        connection = self.connection(timeout)
+        try:
+            body = None if payload is None else json.dumps(payload).encode()
+            connection.request("GET" if body is None else "POST", path, body, headers)
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
 
 
 def endpoint_of(serve: ServeArgs, environ: Mapping[str, str] | None = None) -> Endpoint:

@@ -11,6 +11,8 @@ import re
 import time
 from typing import Callable
 
+from dsa_image.runtime.serve_command import Endpoint
+
 # vllm/v1/spec_decode/metrics.py (vLLM 0.24.0): prometheus counters, exposed with `_total`.
 SPEC_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts_total",
@@ -44,16 +46,11 @@ def parse_spec_counters(text: str) -> dict | None:
 
 
 def scrape_spec_counters(port: int, host: str = "127.0.0.1") -> dict | None:
-    connection = http.client.HTTPConnection(host, port, timeout=30)
     try:
-        connection.request("GET", "/metrics")
-        response = connection.getresponse()
-        body = response.read().decode(errors="replace")
-        return parse_spec_counters(body) if response.status == 200 else None
+        code, body = Endpoint(host=host, port=port).request("/metrics", timeout=30)
     except (OSError, http.client.HTTPException):
         return None
-    finally:
-        connection.close()
+    return parse_spec_counters(body.decode(errors="replace")) if code == 200 else None
 
 
 def settle(read: Callable[[], dict | None], pause_s: float, attempts: int) -> dict | None:

@@ -122,21 +122,6 @@ def serve_endpoint(argv: list[str], environ: dict[str, str]) -> Endpoint:
 # -- HTTP ---------------------------------------------------------------------------------------
 
 
-def _request(endpoint: Endpoint, path: str, payload=None, timeout: float = 600.0) -> tuple[int, bytes]:
-    """(status, body); raises OSError / HTTPException when nothing answers."""
-    headers = {"Content-Type": "application/json"}
-    if endpoint.api_key:
-        headers["Authorization"] = f"Bearer {endpoint.api_key}"
-    connection = endpoint.connection(timeout)
-    try:
-        body = None if payload is None else json.dumps(payload).encode()
-        connection.request("GET" if body is None else "POST", path, body, headers)
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
-
-
 def _timeout(deadline: float, cap: float, what: str) -> float:
     """A request's socket timeout: what is left of the warm-up's budget, at most `cap`."""
     left = deadline - time.monotonic()
@@ -147,7 +132,7 @@ def _timeout(deadline: float, cap: float, what: str) -> float:
 
 def is_healthy(endpoint: Endpoint) -> bool:
     try:
-        return _request(endpoint, "/health", timeout=5)[0] == 200
+        return endpoint.request("/health", timeout=5)[0] == 200
     except (OSError, http.client.HTTPException):
         return False
 
@@ -164,7 +149,7 @@ def wait_healthy(endpoint: Endpoint, alive: Callable[[], bool], deadline: float,
 def served_model(endpoint: Endpoint, deadline: float) -> tuple[str, int | None]:
     """The first served model's name and max_model_len (vLLM's /v1/models carries both)."""
     try:
-        status, body = _request(endpoint, "/v1/models", timeout=_timeout(deadline, 30, "GET /v1/models"))
+        status, body = endpoint.request("/v1/models", timeout=_timeout(deadline, 30, "GET /v1/models"))
     except TimeoutError:
         raise (OutOfTime if time.monotonic() >= deadline else WarmupError)("GET /v1/models: no answer") from None
     except (OSError, http.client.HTTPException) as exc:
@@ -259,7 +244,7 @@ def send(endpoint: Endpoint, model: str, request: Request, key: str, deadline: f
     while True:
         timeout = _timeout(deadline, math.inf, "an answer")
         try:
-            status, body = _request(endpoint, "/v1/completions", payload, timeout)
+            status, body = endpoint.request("/v1/completions", payload, timeout)
         except TimeoutError:
             raise OutOfTime(f"out of time (no answer in the {timeout:.1f} s left)") from None
         except (OSError, http.client.HTTPException) as exc:
@@ -378,7 +363,7 @@ def spec_counters(endpoint: Endpoint, deadline: float = math.inf) -> dict | None
     how the warm-up tells an MTP server without parsing vLLM's flags (a --config file, an
     entrypoint of its own). /metrics is outside --api-key's guarded /v1 paths."""
     try:  # a record only: nothing here may fail the warm-up
-        status, body = _request(endpoint, "/metrics", timeout=_timeout(deadline, 30, "GET /metrics"))
+        status, body = endpoint.request("/metrics", timeout=_timeout(deadline, 30, "GET /metrics"))
         return parse_spec_counters(body.decode(errors="replace")) if status == 200 else None
     except (OSError, http.client.HTTPException, ValueError, WarmupError):  # WarmupError: no time left for it
         return None
