@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import re
 import shutil
 import sys
 import sysconfig
@@ -20,7 +19,8 @@ from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from dsa_image.core import status, wheels
+from dsa_image.build.lock_parse import normalize
+from dsa_image.core import status
 from dsa_image.validation import stage
 
 BYTECODE = ".pyc"  # pip records compiled bytecode without a hash: a cache, rebuilt on import
@@ -59,13 +59,13 @@ def installed_roots() -> list[Path]:
 
 def find(name: str, version: str, roots: list[Path]) -> metadata.Distribution:
     """The one installed distribution `name` under `roots`, at `version` (a local label aside)."""
-    wanted = _normalize(name)
-    found = [d for d in metadata.distributions(path=[str(r) for r in roots]) if _normalize(d.metadata["Name"]) == wanted]
+    wanted = normalize(name)
+    found = [d for d in metadata.distributions(path=[str(r) for r in roots]) if normalize(d.metadata["Name"]) == wanted]
     if not found:
         raise CopyError(f"{name}=={version}: expected it installed under {', '.join(map(str, roots))}, found none; "
                         "stage it (the H200's record says it has it: run the inventory phase)")
     versions = sorted({d.version for d in found})
-    if len(found) > 1 or _release(versions[0]) != _release(version):
+    if len(found) > 1 or not stage.same_release(versions[0], version):
         raise CopyError(f"{name}: expected {version} installed, found {', '.join(versions)}; stage it")
     return found[0]
 
@@ -145,11 +145,3 @@ def _copy_one(source: Path, target: Path, digest: str | None, size: int | None, 
 def _is_record(path: PurePosixPath) -> bool:
     return path.name == "RECORD" and path.parent.name.endswith(".dist-info")
 
-
-def _normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
-
-
-def _release(version: str) -> str:
-    """A version without its local label (the H200's torch is 2.11.0+cu130), canonical."""
-    return wheels.canonical_version(version.split("+", 1)[0])

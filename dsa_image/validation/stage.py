@@ -18,7 +18,7 @@ name==version the H200 lacks, each checked against the lock's sha256 after downl
 torch is among them, every NVIDIA library torch requires belongs in the site too (`torch_stack`):
 those the H200 has at the lock's version are not carried but listed, and the install phase copies
 them from the H200's venv into the site, each file checked against its RECORD
-(dsa_image.validation.dist_copy; 723 MB, 13 device calls fewer for vLLM 0.33.0). The pip CUDA
+(dsa_image.validation.dist_copy). The pip CUDA
 toolkit's NVIDIA wheels always travel (`toolkit_wheels`): the toolchain phase installs them.
 """
 
@@ -141,7 +141,12 @@ def has(present: dict[str, str], name: str, version: str) -> bool:
     """Whether the H200 has name==version. Its torch is PyTorch's index build `2.11.0+cu130`: a
     local label names the CUDA build of the same release, so it is compared without it."""
     found = present.get(name)
-    return found is not None and wheels.canonical_version(found.split("+", 1)[0]) == wheels.canonical_version(version)
+    return found is not None and same_release(found, version)
+
+
+def same_release(found: str, version: str) -> bool:
+    """Whether an installed version is the lock's, a local label (+cu130) aside."""
+    return wheels.canonical_version(found.split("+", 1)[0]) == wheels.canonical_version(version)
 
 
 # --- the selection -------------------------------------------------------------------------
