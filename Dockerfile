@@ -265,6 +265,13 @@ RUN [[ -n "${CUDA_ARCH_LIST}" ]] || { echo "CUDA_ARCH_LIST empty: build with 'do
             --workspace-base /home/vllm --manifest /precompiled/manifest.json; \
     fi
 
+# Only the precompile stage's manifest, for bake targets `precompiled-<target>` to export
+# (build/precompiled-<target>/manifest.json): every target's artefacts built and checked (the
+# stage's own check: they load as built and carry SASS for each capability) without building
+# its image. CI builds them for every target (tests/test_image.py).
+FROM scratch AS precompile-results
+COPY --from=precompile /precompiled/manifest.json /
+
 # ---------------------------------------------------------------------------------------------
 FROM extras AS overlay
 ARG PYTHON_VERSION

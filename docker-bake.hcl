@@ -151,6 +151,21 @@ target "test" {
   output   = ["type=local,dest=build/test-results"]
 }
 
+# A target's precompiled FlashInfer modules alone (the `precompile` stage, which builds them and
+# checks each loads as built and carries SASS for its capability), for the default base, on this
+# machine's platform: the manifest goes to build/precompiled-<target>/. What CI builds for the
+# targets whose image it does not build (sm90, sm100).
+target "precompiled" {
+  name      = "precompiled-${image_target}"
+  matrix    = { image_target = TARGETS }
+  inherits  = [image_target]
+  target    = "precompile-results"
+  platforms = [BAKE_LOCAL_PLATFORM]
+  tags      = []
+  output    = ["type=local,dest=build/precompiled-${image_target}"]
+  attest    = []
+}
+
 # A base's in-image tests without the gate of upstream's tests (test-local-<base>, results in
 # build/test-results-local-<base>/): what CI builds for every base but the default. Such a
 # base's gate (tens of minutes of a 2-core machine, more files than the default's) is

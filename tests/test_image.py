@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import re
 import shutil
 import socket
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsa_image.build import image_build
+from dsa_image.build import image_build, precompile
 from dsa_image.core import status
 from dsa_image.upstream import gate as upstream_tests
 from dsa_image.overlay.cli import manifest_path, predicted_receipt_sha256
@@ -111,6 +112,28 @@ def test_every_other_base_builds_its_test_target_and_passes_its_in_image_tests(b
     assert "model info fresh for GlmMoeDsaForCausalLM, " in run.model_info, run.model_info
     assert not (result.exported / "upstream-tests").exists()
     print(f"vLLM {base.vllm_version} in-image tests: {run.passed} passed, {run.skipped} skipped")
+
+
+@pytest.mark.parametrize("target", sorted(RECIPE.targets))
+def test_every_target_precompiles_each_module_for_each_of_its_capabilities(build_target, target):
+    """The precompile stage of every target, not only the sm120 image CI builds: its own check
+    (the stage fails otherwise) proved each library loads as built and carries SASS for its
+    capability (cuobjdump); here the exported manifest must list one library per module and
+    capability of the recipe's target, each in the directory FlashInfer looks in for it."""
+    here = "linux/arm64" if platform.machine() == "aarch64" else "linux/amd64"
+    if here not in RECIPE.targets[target].platforms:
+        pytest.skip(f"{target} is built for {', '.join(RECIPE.targets[target].platforms)}, this machine is {here}")
+    result = build_target(f"precompiled-{target}")
+    doc = json.loads((result.exported / "manifest.json").read_text())
+    assert doc["skipped"] is None, doc["skipped"]
+    capabilities = RECIPE.targets[target].cuda_arch
+    built = [(art["module"], art["capability"]) for art in doc["artefacts"]]
+    assert built == [(module, cap) for cap in capabilities for module in precompile.MODULES], built
+    for art in doc["artefacts"]:
+        major, minor = art["capability"].split(".")
+        assert art["arch"].startswith(f"sm_{major}{minor}") and f"/{major}{minor}" in art["path"], art
+        assert len(art["sha256"]) == 64 and art["bytes"] > 0, art
+    print(f"{target}: " + ", ".join(f"{a['module']} {a['arch']} {a['build_seconds']:.0f} s" for a in doc["artefacts"]))
 
 
 def test_a_failing_in_image_test_fails_the_build_and_leaves_no_results(docker_client, bake_options, tmp_path):
