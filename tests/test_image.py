@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
+import platform as host
 import re
 import shutil
 import socket
@@ -120,7 +120,7 @@ def test_every_target_precompiles_each_module_for_each_of_its_capabilities(build
     (the stage fails otherwise) proved each library loads as built and carries SASS for its
     capability (cuobjdump); here the exported manifest must list one library per module and
     capability of the recipe's target, each in the directory FlashInfer looks in for it."""
-    here = "linux/arm64" if platform.machine() == "aarch64" else "linux/amd64"
+    here = "linux/arm64" if host.machine() == "aarch64" else "linux/amd64"
     if here not in RECIPE.targets[target].platforms:
         pytest.skip(f"{target} is built for {', '.join(RECIPE.targets[target].platforms)}, this machine is {here}")
     result = build_target(f"precompiled-{target}")
