@@ -60,3 +60,37 @@ def test_the_summary_reads_a_real_start(tmp_path):
     line, = startup.summary({"starts": {"after-cold": start}})
     assert "healthy  236.2 s  ready  243.9 s" in line and "FlashInfer built: ['sampling']" in line
     assert "compiled after ready: -" in line and line.endswith("check: 0")
+
+
+def test_starts_run_as_named_and_a_restart_needs_its_cold_start_first(capsys):
+    import pytest
+
+    args = startup.parse_args(["--model", "m", "--site", "s", "--out", "o", "--starts", "after-cold,after-restart"])
+    assert args.starts == ["after-cold", "after-restart"]
+    with pytest.raises(SystemExit):
+        startup.parse_args(["--model", "m", "--site", "s", "--out", "o", "--starts", "after-restart"])
+    assert "after-restart needs after-cold before it" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        startup.parse_args(["--model", "m", "--site", "s", "--out", "o", "--starts", "after-warm"])
+    assert "unknown ['after-warm']" in capsys.readouterr().err
+
+
+def test_require_warm_fails_each_start_whose_first_request_missed_the_goal(tmp_path):
+    """The named starts only (no precompile build without after-cold), against the fake vLLM:
+    a first request over the goal fails --require-warm, one problem a start."""
+    import json
+
+    import test_bench as fakes
+    from dsa_image.build.tiny_model import write_model
+
+    write_model(tmp_path / "model")
+    site = fakes.fake_vllm_site(tmp_path / "site", fake={"ttft_s": 0.002})
+    out = tmp_path / "out"
+    code = startup.main(["--model", str(tmp_path / "model"), "--site", str(site), "--out", str(out),
+                         "--port-base", str(fakes.free_ports(1)), "--health-timeout", "60",
+                         "--starts", "before-cold,before-restart", "--require-warm", "--goal-factor", "0.01"])
+    doc = json.loads((out / "startup.json").read_text())
+    assert list(doc["starts"]) == ["before-cold", "before-restart"] and "precompile_build" not in doc
+    assert not (out / "precompile-build.log").exists()
+    assert code == 1 and len(doc["warm_problems"]) == 2, doc["warm_problems"]
+    assert all("first request" in p and p.endswith("goal 0.01x") for p in doc["warm_problems"])

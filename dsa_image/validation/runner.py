@@ -56,7 +56,6 @@ class Paths:
     warmstart_homes: Path
     model_info: Path
     realwidth_bench_work: Path
-    realwidth_homes: Path
     model: Path
     mtp_model: Path
     realwidth: Path
@@ -72,7 +71,7 @@ class Paths:
                    wheels=base("wheels"), site_stock=base("site-stock"), site_overlay=base("site-overlay"),
                    cuda_pip=base("cuda-pip"), toolchain_home=base("home-toolchain"), bench_work=base("bench-work"),
                    warmstart_homes=base("warmstart-homes"), model_info=base("model-info"),
-                   realwidth_bench_work=base("bench-work-realwidth"), realwidth_homes=base("warmstart-homes-realwidth"),
+                   realwidth_bench_work=base("bench-work-realwidth"),
                    model=root / "tiny-glm5", mtp_model=root / "tiny-glm5-mtp", realwidth=root / realwidth_model.NAME,
                    manifest=repo / "overlay" / f"vllm-{vllm}" / "manifest.json", repo=repo)
 

@@ -89,9 +89,8 @@ def _s(seconds: float) -> Callable[[argparse.Namespace], float]:
 
 
 # Seconds a warm-start step took on the H200 (0.33.0, docs/validation/README.md: cold 242,
-# warm 98, cold-warmup 268); at real width a cold start took 264 s.
+# warm 98, cold-warmup 268).
 WARMSTART_S = {"cold": 250, "cold-warmup": 280, "warm": 110, "warm-warmup": 120}
-REALWIDTH_WARMSTART_S = {"cold": 330, "cold-warmup": 360, "warm": 150, "warm-warmup": 170}
 
 
 def _warmstart_s(table: dict[str, int], default: str) -> Callable[[argparse.Namespace], float]:
@@ -165,10 +164,11 @@ PHASES = {p.name: p for p in (
     Phase("realwidth-equiv", (ph.need_sites,), _env((ph.realwidth_equiv,)), ("realwidth_modes", "modes_timeout_s"),
           _s(420), "GLM-5 at real width, stock vs overlay past 32k tokens with MTP (long-fp8-mtp3: fp8_ds_mla and "
           "3 tokens; long-mtp1: bf16 and 1 token), one mode a call; the memory plan against vLLM's numbers"),
-    Phase("realwidth-warmstart", (ph.need_sites,), _env((ph.realwidth_warmstart,)), ("warmstart_steps",),
-          _warmstart_s(REALWIDTH_WARMSTART_S, "cold-warmup"),
-          "GLM-5 at real width from empty caches through the image's warm-up: nothing compiles after it, the "
-          "first 3,000-token request within 1.2x the warm ones; the memory plan against vLLM's numbers"),
+    Phase("realwidth-startup", (ph.need_sites,), _env((ph.realwidth_startup,)), (), _s(420),
+          "GLM-5 at real width, the image's start-up (precompiled FlashInfer, the recipe's start-up defaults, the "
+          "warm-up) from empty caches and on a restart, the overlay alone: per-phase tables; nothing compiles "
+          "after ready, the first 3,000-token request within 1.2x the warm ones; the memory plan against vLLM's "
+          "numbers"),
     Phase("realwidth-bench", (ph.need_sites, ph.need_bench_builds), _env((ph.realwidth_bench,)),
           ("bench_a", "bench_b", "bench_args", "bench_label", "bench_deadline_s"), _s(420),
           "the paired benchmark at real width: stock vs overlay, or two bases (--bench-a/--bench-b); the "
@@ -206,7 +206,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     knobs.add_argument("--smoke-label", default="smoke", help="names the smoke results")
     knobs.add_argument("--modes-timeout-s", type=float, default=480, help="for the mode servers to be healthy")
     knobs.add_argument("--warmstart-steps", help="comma-separated of cold, warm-warmup, cold-warmup, warm "
-                       "(warmstart: cold,warm-warmup; realwidth-warmstart: cold-warmup)")
+                       "(default: cold,warm-warmup)")
     knobs.add_argument("--bench-a", help="build A: stock-X.Y.Z or overlay-X.Y.Z of a base installed here")
     knobs.add_argument("--bench-b", help="build B, the same (the same build twice: the A/A control)")
     knobs.add_argument("--bench-args", default="", help="bench.py run's workloads and round counts, one string, "

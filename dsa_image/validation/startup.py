@@ -1,7 +1,7 @@
 """Start-up time before and after the image's precompiled artefacts and start-up defaults.
 
 One GPU, the overlay's site, one server at a time, the image's warm-up on (what `docker run`
-does), four starts:
+does), up to four starts (--starts names them; all by default):
 
     before-cold     today's image: the built-in model with the entrypoint's flags as they were,
                     from a HOME as the image's first `docker run` has it (no compile cache, the
@@ -43,7 +43,9 @@ from dsa_image.validation import startup_phases, warmstart
 
 # Flags serving.start_server gives every server itself (the recipe's values for them).
 GIVEN_BY_HARNESS = ("--load-format", "--served-model-name", "--max-model-len", "--port")
-STARTS = (("before", "cold-warmup"), ("after", "cold-warmup"), ("before", "warm-warmup"), ("after", "warm-warmup"))
+# name: (variant, warmstart step), in the order they run.
+STARTS = {"before-cold": ("before", "cold-warmup"), "after-cold": ("after", "cold-warmup"),
+          "before-restart": ("before", "warm-warmup"), "after-restart": ("after", "warm-warmup")}
 MANIFEST = "precompiled.json"
 MIN_START_S = 100  # a start needs this much of the budget left: a restart took 74 s, its requests ~6 s
 
@@ -123,9 +125,9 @@ def run_start(variant: str, step: str, args, flags: dict, prepare_home=None) -> 
 
 
 def run(args) -> dict:
-    """The four starts in order, the document rewritten after each. The precompile build runs
-    into the after-HOME while before-cold starts; its cache is kept aside while run_step empties
-    that HOME for the cold start (as the image's first `docker run` has it), then put back."""
+    """The starts in order (--starts), the document rewritten after each. The precompile build
+    runs into the after-HOME while the first start runs; its cache is kept aside while run_step
+    empties that HOME for the cold start (as the image's first `docker run` has it), then put back."""
     flags = image_flags(args.target, args.vllm)
     work, out = Path(args.work_dir), Path(args.out)
     after_home, manifest, kept = work / "after" / "home-overlay", work / "after" / MANIFEST, work / "after" / "flashinfer"
@@ -133,12 +135,12 @@ def run(args) -> dict:
         shutil.rmtree(stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"flags": flags, "cuda_arch": args.cuda_arch, "starts": {}}
-    build = _precompile(args, after_home, manifest)
+    build = _precompile(args, after_home, manifest) if "after-cold" in args.starts else None
     end = time.monotonic() + args.budget_s
-    for variant, step in STARTS:
-        name = f"{variant}-{'cold' if step.startswith('cold') else 'restart'}"
+    for name in args.starts:
+        variant, step = STARTS[name]
         prepare = None
-        if (variant, step) == ("after", "cold-warmup"):
+        if build is not None and name == "after-cold":
             doc["precompile_build"] = {"exit": build.wait(), "log": "precompile-build.log"}
             if doc["precompile_build"]["exit"] != 0:
                 doc["starts"][name] = {"error": "the precompile build failed; see precompile-build.log"}
@@ -154,9 +156,11 @@ def run(args) -> dict:
         if variant == "after":
             doc["starts"][name]["precompile_check"] = _check(args, after_home, manifest)
         (out / "startup.json").write_text(json.dumps(doc, indent=1) + "\n")
-    build.wait()
+    if build is not None:
+        build.wait()
     if end - time.monotonic() > MIN_START_S:  # after the starts: it must not share the machine with one
-        doc["import_probe"] = import_probe(args, work / "before" / "home-overlay")
+        first_variant = STARTS[args.starts[0]][0]
+        doc["import_probe"] = import_probe(args, work / first_variant / "home-overlay")
         (out / "startup.json").write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
@@ -196,7 +200,18 @@ def parse_args(argv):
                         help="the first 3,000-token request within this many times the warm latency (issue 27: 2)")
     parser.add_argument("--budget-s", type=float, default=560,
                         help="every start ends within this many seconds of the first (a device call has 600)")
+    parser.add_argument("--starts", default=",".join(STARTS),
+                        help=f"comma-separated, run in this order, of: {', '.join(STARTS)} (default: all)")
+    parser.add_argument("--require-warm", action="store_true",
+                        help="fail unless every start met the goal and compiled nothing after ready")
     args = parser.parse_args(argv)
+    args.starts = args.starts.split(",")
+    if unknown := [name for name in args.starts if name not in STARTS]:
+        parser.error(f"--starts: unknown {unknown}; known: {', '.join(STARTS)}")
+    for name in args.starts:  # a restart reuses the HOME its variant's cold start left
+        variant, step = STARTS[name]
+        if step == "warm-warmup" and f"{variant}-cold" not in args.starts[:args.starts.index(name)]:
+            parser.error(f"--starts: {name} needs {variant}-cold before it (the HOME a restart reuses)")
     args.work_dir = str(Path(args.work_dir or Path(args.out) / "work").resolve())
     args.model_info_root = args.model_info_root or str(Path(args.work_dir) / "model-info")  # both variants
     args.timeout = args.health_timeout  # what warmstart.run_step reads
@@ -214,6 +229,13 @@ def main(argv=None) -> int:
             + "\n\n" + startup_phases.comparison(tables) + "\n")
     errors = {n: s["error"] for n, s in doc["starts"].items() if "error" in s}
     print(json.dumps({"errors": errors}) if errors else f"results: {Path(args.out) / 'startup.json'}")
+    if args.require_warm:
+        doc["warm_problems"] = problems = [p for name, start in doc["starts"].items()
+                                           for p in warmstart.start_problems(name, start, args.goal_factor)]
+        (Path(args.out) / "startup.json").write_text(json.dumps(doc, indent=1) + "\n")
+        print("\n".join(problems))
+        print("WARM START:", "FAIL" if problems else "PASS")
+        return status.FAILED if errors or problems else status.SUCCESS
     return status.FAILED if errors else status.SUCCESS
 
 

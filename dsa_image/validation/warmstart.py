@@ -28,8 +28,9 @@ module (docs/validation/h200-2026-11-30-vllm0_33_0-run2); a pair may then not fi
 and the HOMEs stay in --work-dir between calls, so each step can have a call of its own, in
 the same order. Goal: the first request within 2x the warm latency (--goal-factor). With
 --require-warm the run fails unless every side of every step with the warm-up met the goal and
-compiled nothing after the warm-up: the check GLM-5 at real width is held to (the GPU session
-runner's realwidth-warmstart phase: goal 1.2x).
+compiled nothing after the warm-up (start_problems), the check startup.py --require-warm holds
+each of its starts to (GLM-5 at real width, the GPU session runner's realwidth-startup phase: goal
+1.2x).
 
 Stdlib only. Usage:
     python -m dsa_image.validation.warmstart --model DIR --stock-site S --overlay-site O \\
@@ -186,21 +187,21 @@ def compiled_names(compiled: dict) -> list[str]:
 def warm_problems(doc: dict) -> list[str]:
     """--require-warm: per step with the warm-up and side, why it was not warm from its first
     request (the goal missed, something compiled after the warm-up, no first request)."""
-    problems = []
-    for step, report in doc["steps"].items():
-        if not STEPS[step][1]:
+    return [problem for step, report in doc["steps"].items() if STEPS[step][1]
+            for problem in start_problems(step, report, doc["goal_factor"])]
+
+
+def start_problems(name: str, report: dict, goal_factor: float) -> list[str]:
+    """Why one start with the warm-up (a run_step report) was not warm from its first request."""
+    problems = [f"{name}: {report['error']}"] if "error" in report else []
+    for side, r in report.get("sides", {}).items():
+        if "first" not in r:
+            problems.append(f"{name} {side}: no first request")
             continue
-        if "error" in report:
-            problems.append(f"{step}: {report['error']}")
-        for side, r in report.get("sides", {}).items():
-            if "first" not in r:
-                problems.append(f"{step} {side}: no first request")
-                continue
-            if not r["goal_met"]:
-                problems.append(f"{step} {side}: first request {r['first_over_warm']}x the warm latency, "
-                                f"goal {doc['goal_factor']}x")
-            if r["compiled_after_ready"]:
-                problems.append(f"{step} {side}: compiled after the warm-up: {', '.join(r['compiled_after_ready'])}")
+        if not r["goal_met"]:
+            problems.append(f"{name} {side}: first request {r['first_over_warm']}x the warm latency, goal {goal_factor}x")
+        if r["compiled_after_ready"]:
+            problems.append(f"{name} {side}: compiled after the warm-up: {', '.join(r['compiled_after_ready'])}")
     return problems
 
 
