@@ -290,8 +290,9 @@ ENV DSA_IMAGE_TOOL=/opt/dsa-image/tool \
 # directly or not (tests/test_image_tree.py holds these lines to that import closure): no
 # build, benchmark, smoke or validation code in a user's image.
 COPY dsa_image/__init__.py ${DSA_IMAGE_TOOL}/dsa_image/
-COPY dsa_image/core/__init__.py dsa_image/core/atomic.py dsa_image/core/dist_info.py dsa_image/core/recipe.py \
-     dsa_image/core/status.py dsa_image/core/wheels.py ${DSA_IMAGE_TOOL}/dsa_image/core/
+COPY dsa_image/core/__init__.py dsa_image/core/atomic.py dsa_image/core/dist_info.py dsa_image/core/endpoint.py \
+     dsa_image/core/health.py dsa_image/core/recipe.py dsa_image/core/status.py dsa_image/core/wheels.py \
+     ${DSA_IMAGE_TOOL}/dsa_image/core/
 COPY dsa_image/build/__init__.py dsa_image/build/bake.py ${DSA_IMAGE_TOOL}/dsa_image/build/
 COPY dsa_image/overlay/ ${DSA_IMAGE_TOOL}/dsa_image/overlay/
 COPY dsa_image/rebase/ ${DSA_IMAGE_TOOL}/dsa_image/rebase/

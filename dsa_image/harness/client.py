@@ -1,19 +1,20 @@
-"""The harnesses' one OpenAI-compatible HTTP client (smoke, validation, bench, the shared server
+"""The harnesses' one OpenAI-compatible client (smoke, validation, bench, the shared server
 lifecycle): GET, POST, a server-sent-event stream (whole, or event by event with each one's
-arrival time), the status of a path. On urllib: the smoke test's local runtime must work in a
-Python environment that has no `requests`."""
+arrival time), the status of a path. On the image's one HTTP layer (dsa_image/core/endpoint.py:
+http.client, stdlib only: the smoke test's local runtime must work in a Python environment that
+has no `requests`), so the harnesses reach a server as the image's warm-up and healthcheck do."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from dsa_image.core import status
+from dsa_image.core.endpoint import Endpoint
 
 
 class HttpError(status.DsaImageError):
@@ -41,7 +42,9 @@ class StreamResponse:
 
 class Client:
     def __init__(self, base_url: str, timeout_s: float = 120.0):
-        self.base_url = base_url.rstrip("/")
+        """`base_url`: http(s)://HOST:PORT (ValueError otherwise)."""
+        self.endpoint = Endpoint.from_url(base_url)
+        self.base_url = self.endpoint.base_url
         self.timeout_s = timeout_s
 
     @classmethod
@@ -49,39 +52,35 @@ class Client:
         """A server this host started, on loopback."""
         return cls(f"http://127.0.0.1:{port}", timeout_s)
 
-    def _request(self, method: str, path: str, payload: Any = None) -> urllib.request.Request:
-        data = None if payload is None else json.dumps(payload).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        return urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
-
-    def _open(self, request: urllib.request.Request, timeout_s: float | None):
+    @contextlib.contextmanager
+    def _open(self, path: str, payload: Any = None, timeout_s: float | None = None) -> Iterator[http.client.HTTPResponse]:
+        """The response of a 2xx answer; HttpError for no answer or another status."""
+        said = f"{'GET' if payload is None else 'POST'} {self.endpoint.url(path)}"
         try:
-            return urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s)
-        except urllib.error.HTTPError as e:
-            body = e.read().decode(errors="replace")[:2000]
-            raise HttpError(f"{request.get_method()} {request.full_url}: HTTP {e.code}: {body}", e.code) from None
-        except (urllib.error.URLError, OSError) as e:
-            raise HttpError(f"{request.get_method()} {request.full_url}: {e}") from None
+            with self.endpoint.open(path, payload, timeout_s or self.timeout_s) as response:
+                if not 200 <= response.status < 300:
+                    body = response.read().decode(errors="replace")[:2000]
+                    raise HttpError(f"{said}: HTTP {response.status}: {body}", response.status)
+                yield response
+        except (OSError, http.client.HTTPException) as e:
+            raise HttpError(f"{said}: {e}") from None
 
     def status(self, path: str, timeout_s: float = 5.0) -> int | None:
         """The HTTP status of GET `path`, or None when nothing answers."""
         try:
-            with urllib.request.urlopen(self._request("GET", path), timeout=timeout_s) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except (urllib.error.URLError, OSError):
+            return self.endpoint.request(path, timeout=timeout_s)[0]
+        except (OSError, http.client.HTTPException):
             return None
 
     def get(self, path: str) -> Response:
-        return self._json(self._request("GET", path))
+        return self._json(path, None)
 
     def post(self, path: str, payload: Any) -> Response:
-        return self._json(self._request("POST", path, payload))
+        return self._json(path, payload)
 
-    def _json(self, request: urllib.request.Request) -> Response:
+    def _json(self, path: str, payload: Any) -> Response:
         start = time.monotonic()
-        with self._open(request, None) as r:
+        with self._open(path, payload) as r:
             raw = r.read().decode(errors="replace")
             status = r.status
         seconds = time.monotonic() - start
@@ -89,7 +88,8 @@ class Client:
             # json accepts NaN / Infinity literals: the checks must see them, not a parse error.
             body = json.loads(raw)
         except json.JSONDecodeError:
-            raise HttpError(f"{request.get_method()} {request.full_url}: not JSON: {raw[:500]!r}", status) from None
+            said = f"{'GET' if payload is None else 'POST'} {self.endpoint.url(path)}"
+            raise HttpError(f"{said}: not JSON: {raw[:500]!r}", status) from None
         return Response(status, body, seconds)
 
     def post_stream(self, path: str, payload: Any) -> StreamResponse:
@@ -103,7 +103,7 @@ class Client:
     def open_stream(self, path: str, payload: Any) -> Iterator[tuple[int, Iterator[tuple[float, str]]]]:
         """POST; (status, events): each `data:` payload as it arrives, with its arrival
         (time.perf_counter(), read before the payload is parsed: a benchmark times tokens by it)."""
-        with self._open(self._request("POST", path, payload), None) as r:
+        with self._open(path, payload) as r:
             yield r.status, _events(r)
 
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 from dsa_image.build import model_info_cache
 from dsa_image.core.compile_caches import cache_env
-from dsa_image.harness import health
+from dsa_image.core import health
 from dsa_image.harness.client import Client
 from dsa_image.core.site_path import pythonpath
 

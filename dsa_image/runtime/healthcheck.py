@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from dsa_image.runtime import serve_command
-from dsa_image.runtime.serve_command import Endpoint
+from dsa_image.core.endpoint import Endpoint
 from dsa_image.runtime.warmup import warm_problem
 from dsa_image.core import status
 

@@ -11,7 +11,7 @@ import re
 import time
 from typing import Callable
 
-from dsa_image.runtime.serve_command import Endpoint
+from dsa_image.core.endpoint import Endpoint
 
 # vllm/v1/spec_decode/metrics.py (vLLM 0.24.0): prometheus counters, exposed with `_total`.
 SPEC_COUNTERS = {

@@ -58,13 +58,15 @@ from typing import Any, Callable
 
 from dsa_image.runtime import serve_command
 from dsa_image.core.atomic import read_regular, write_atomic
-from dsa_image.runtime.serve_command import Endpoint
+from dsa_image.core import health
+from dsa_image.core.endpoint import Endpoint
 from dsa_image.runtime.spec_decode_metrics import log_warmup_drafts, parse_spec_counters, settle
 from dsa_image.core import status
 
 MARKER_ENV = "DSA_IMAGE_WARM_MARKER"
 SWITCH_ENV = "DSA_IMAGE_WARMUP"
 PROC = Path("/proc")
+EXITED = -1  # health.Watch's exit code for a server `alive` says is gone (its code is not known here)
 # Ids every tokenizer of a real model has as ordinary tokens (the tiny GLM-5's specials are
 # 0..7); a token-id prompt needs no tokenizer round trip and has an exact length.
 PROMPT_IDS = range(100, 1000)
@@ -138,12 +140,11 @@ def is_healthy(endpoint: Endpoint) -> bool:
 
 
 def wait_healthy(endpoint: Endpoint, alive: Callable[[], bool], deadline: float, poll_s: float = 1.0) -> bool:
-    """True once /health answers 200; False when the server died or the deadline passed."""
-    while alive() and time.monotonic() < deadline:
-        if is_healthy(endpoint):
-            return True
-        time.sleep(poll_s)
-    return False
+    """True once /health answers 200; False when the server died or the deadline passed. The
+    harnesses' wait (core/health.py): it asks for an exit code, which `alive` stands for."""
+    watch = health.Watch("vllm", lambda: is_healthy(endpoint), lambda: None if alive() else EXITED,
+                         time.monotonic())
+    return health.wait([watch], deadline, poll_s)["vllm"].healthy_s is not None
 
 
 def served_model(endpoint: Endpoint, deadline: float) -> tuple[str, int | None]:

@@ -15,7 +15,7 @@ from dsa_image.core.recipe import Recipe, RecipeError, Target
 from dsa_image.smoke import checks as C
 from dsa_image.smoke.expect import capability_problem, expected_for, target_for_capability
 from dsa_image.smoke.gpu import capability_of
-from dsa_image.harness import health
+from dsa_image.core import health
 from dsa_image.harness.client import Client
 from dsa_image.smoke.layout import SINGLE_GPU, Layout, logged_layout, summary
 from dsa_image.smoke.report import LOG_NAME, Report, log_tail, summarize_receipt, write_report

@@ -41,7 +41,7 @@ from dsa_image.core.recipe import RECIPES_DIR, Recipe, load_recipe
 from dsa_image.core.site_path import pythonpath
 from dsa_image.serving.launch import environment, vllm_args
 from dsa_image.serving.recipes import ServeRecipe, attention_backend, kv_cache_dtype, load_serve_recipe, serve_recipe_names
-from dsa_image.harness import health
+from dsa_image.core import health
 from dsa_image.harness.client import Client, HttpError
 from dsa_image.harness.server import answered, prompts, stop
 from dsa_image.core import status

@@ -1,6 +1,7 @@
-"""The harnesses' one wait for vLLM servers to become healthy (the shared lifecycle, recipes,
-the cluster waves, smoke). Each server is watched through callables, so one loop serves a
-process this host started, a container, or a fake in a test.
+"""The one wait for vLLM servers to become healthy: the image's warm-up (runtime/warmup.py) and
+the harnesses' (the shared lifecycle, recipes, the cluster waves, smoke). Each server is watched
+through callables, so one loop serves the image's own server, a process this host started, a
+container, or a fake in a test. Stdlib only: the runtime image carries it.
 
 All servers are polled in each round: waiting for one at a time would record the later ones as
 healthy when the first was, not when they were."""
