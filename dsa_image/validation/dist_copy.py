@@ -39,16 +39,25 @@ def copy_listed(selection: Path, site: Path, say: Callable[[str], None]) -> int:
     if not selection.is_file():
         print(f"install: expected {selection} (it rides with the first part); carry it", file=sys.stderr)
         return status.FAILED
-    for name, (version, source) in sorted(stage.parse_selection(selection.read_text()).items()):
-        if source != stage.FROM_H200:
-            continue
-        try:
+    try:
+        # the whole file is read before the first copy: a bad line late in it leaves the site untouched
+        for name, version in left_to_h200(selection):
             count = copy_dist(name, version, site)
-        except (CopyError, OSError) as exc:
-            print(f"install: {exc}", file=sys.stderr)
-            return status.FAILED
-        say(f"{name}=={version}: {count} files of the H200's installation into {site}")
+            say(f"{name}=={version}: {count} files of the H200's installation into {site}")
+    except (CopyError, OSError) as exc:
+        print(f"install: {exc}", file=sys.stderr)
+        return status.FAILED
     return status.SUCCESS
+
+
+def left_to_h200(selection: Path) -> list[tuple[str, str]]:
+    """(name, version) of each pin `selection` leaves to the H200's installation, sorted. The
+    file came with the bundle, so it is untrusted: a malformed line is a CopyError naming it."""
+    try:
+        pins = stage.parse_selection(selection.read_text(), str(selection))
+    except stage.StageError as exc:
+        raise CopyError(str(exc)) from exc
+    return sorted((name, version) for name, (version, source) in pins.items() if source == stage.FROM_H200)
 
 
 def installed_roots() -> list[Path]:
