@@ -130,3 +130,18 @@ def test_a_malformed_selection_line_is_refused_by_number_and_text_before_anythin
     assert "python3 scripts/stage_h200_wheels.py" in err
     with pytest.raises(dist_copy.CopyError, match=r"selection\.txt:3"):
         dist_copy.left_to_h200(selection)
+
+
+@pytest.mark.parametrize("linked", ["nvidia", "nvidia/foo"])
+def test_a_symlinked_folder_in_the_site_is_refused_before_anything_is_written_inside_or_outside(tmp_path, linked):
+    root, site, elsewhere = install(tmp_path / "venv"), tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (site / linked).parent.mkdir(parents=True, exist_ok=True)
+    (site / linked).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(dist_copy.CopyError, match=rf"nvidia/foo/\S+ would be written through {site / linked}, "
+                                                  rf"a symlink \(to {elsewhere}\).*Remove the symlink"):
+        dist_copy.copy_dist("nvidia-foo", "12.0.0.61", site, [root])
+    assert list(elsewhere.iterdir()) == []
+    # the site holds only what the test made: the symlink and the folders on the way to it
+    assert sorted(p.relative_to(site).as_posix() for p in site.rglob("*")) == sorted(
+        {linked, *(q.as_posix() for q in Path(linked).parents if q.parts)})
