@@ -110,3 +110,38 @@ def test_the_install_phase_copies_exactly_the_selections_rows_left_to_the_h200(t
     assert said == [f"nvidia-cufft==12.0.0.61: 3 files of the H200's installation into {tmp_path / 'site'}"]
     selection.unlink()
     assert dist_copy.copy_listed(selection, tmp_path / "site", said.append) == dist_copy.status.FAILED
+
+
+@pytest.mark.parametrize("bad", ["nvidia-cublas", "nvidia-cublas==13.1.0.3", "nvidia-cublas  -  no version",
+                                 "==13.1.0.3  -  no name", "nvidia-cublas==13.1.0.3  cublas.tar.gz  not a wheel",
+                                 "nvidia-cufft==12.0.0.62  -  listed twice"])
+def test_a_malformed_selection_line_is_refused_by_number_and_text_before_anything_is_copied(tmp_path, monkeypatch,
+                                                                                            capsys, bad):
+    from dsa_image.validation import stage
+
+    # the good row comes first: a refusal must not leave it copied
+    selection = tmp_path / stage.SELECTION
+    selection.write_text(f"nvidia-cufft==12.0.0.61  {stage.FROM_H200}  {stage.COPIED}\n\n{bad}\n")
+    copied: list[str] = []
+    monkeypatch.setattr(dist_copy, "copy_dist", lambda name, version, site: copied.append(name) or 3)
+    assert dist_copy.copy_listed(selection, tmp_path / "site", print) == dist_copy.status.FAILED
+    err = capsys.readouterr().err
+    assert copied == [] and f"{selection}:3: expected `name==version" in err and repr(bad) in err
+    assert "python3 scripts/stage_h200_wheels.py" in err
+    with pytest.raises(dist_copy.CopyError, match=r"selection\.txt:3"):
+        dist_copy.left_to_h200(selection)
+
+
+@pytest.mark.parametrize("linked", ["nvidia", "nvidia/foo"])
+def test_a_symlinked_folder_in_the_site_is_refused_before_anything_is_written_inside_or_outside(tmp_path, linked):
+    root, site, elsewhere = install(tmp_path / "venv"), tmp_path / "site", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (site / linked).parent.mkdir(parents=True, exist_ok=True)
+    (site / linked).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(dist_copy.CopyError, match=rf"nvidia/foo/\S+ would be written through {site / linked}, "
+                                                  rf"a symlink \(to {elsewhere}\).*Remove the symlink"):
+        dist_copy.copy_dist("nvidia-foo", "12.0.0.61", site, [root])
+    assert list(elsewhere.iterdir()) == []
+    # the site holds only what the test made: the symlink and the folders on the way to it
+    assert sorted(p.relative_to(site).as_posix() for p in site.rglob("*")) == sorted(
+        {linked, *(q.as_posix() for q in Path(linked).parents if q.parts)})

@@ -382,3 +382,10 @@ def test_repository_bytes_counts_tracked_and_untracked_files_but_not_ignored_one
 def test_repository_bytes_outside_a_checkout_says_what_to_do(tmp_path):
     with pytest.raises(stage.StageError, match="stage from a git checkout"):
         stage.repository_bytes(tmp_path / "nowhere")
+
+
+def test_a_malformed_selection_line_is_a_usage_error_naming_its_line():
+    # the inventory phase's --staged check reads the same file as the install phase
+    with pytest.raises(stage.StageError, match=r"sel\.txt:2: expected .*found 'torch 2\.14\.0'.*Re-stage") as caught:
+        stage.parse_selection("nvidia-z==2.0  -  copied\ntorch 2.14.0\n", "sel.txt")
+    assert caught.value.exit_code == status.USAGE

@@ -73,10 +73,16 @@ def overlay_stage() -> str:
     return text[start:text.index("\nFROM ", start + 1)]
 
 
+def joined_lines(dockerfile: str) -> list[str]:
+    """The Dockerfile text's instructions one per line: a `\\` continuation joins the next line,
+    so a COPY or RUN's sources spread over several lines are read as the one instruction."""
+    return re.sub(r"\\\n\s*", " ", dockerfile).splitlines()
+
+
 def copied(stage: str) -> tuple[set[Path], set[Path]]:
     """The dsa_image files and the scripts the stage's COPY instructions take from the context."""
     files, scripts = set(), set()
-    for line in re.sub(r"\\\n\s*", " ", stage).splitlines():
+    for line in joined_lines(stage):
         words = line.split()
         if not words or words[0] != "COPY" or any(w.startswith("--from") for w in words):
             continue
@@ -149,7 +155,7 @@ def tool_mounts() -> list[tuple[set[Path], set[Path]]]:
     """Each Dockerfile RUN that bind-mounts our code from the build context: (the dsa_image files
     it mounts, the scripts it mounts). A mounted folder counts as all of its modules."""
     steps = []
-    for line in re.sub(r"\\\n\s*", " ", (REPO / "Dockerfile").read_text()).splitlines():
+    for line in joined_lines((REPO / "Dockerfile").read_text()):
         sources = re.findall(r"--mount=type=bind,source=((?:dsa_image|scripts)[^,\s]*)", line)
         if line.startswith("RUN") and sources:
             paths = [REPO / source for source in sources]

@@ -4,7 +4,8 @@ Staging does not carry the NVIDIA libraries that torch needs in the site when th
 has them at the lock's version (dsa_image.validation.stage.COPIED): the install phase copies the
 H200's installed copy instead. Its RECORD is read as untrusted input, like a wheel's: every
 entry must name a regular file inside the installation's site-packages and match the sha256 and
-size listed for it, nothing may already exist in the target site, and a failure removes what
+size listed for it, nothing may already exist in the target site, no folder on the way to a
+target may be a symlink (it would lead the write out of the site), and a failure removes what
 this copy wrote. It runs in the session runner on the device, in the H200's own Python.
 """
 
@@ -39,16 +40,25 @@ def copy_listed(selection: Path, site: Path, say: Callable[[str], None]) -> int:
     if not selection.is_file():
         print(f"install: expected {selection} (it rides with the first part); carry it", file=sys.stderr)
         return status.FAILED
-    for name, (version, source) in sorted(stage.parse_selection(selection.read_text()).items()):
-        if source != stage.FROM_H200:
-            continue
-        try:
+    try:
+        # the whole file is read before the first copy: a bad line late in it leaves the site untouched
+        for name, version in left_to_h200(selection):
             count = copy_dist(name, version, site)
-        except (CopyError, OSError) as exc:
-            print(f"install: {exc}", file=sys.stderr)
-            return status.FAILED
-        say(f"{name}=={version}: {count} files of the H200's installation into {site}")
+            say(f"{name}=={version}: {count} files of the H200's installation into {site}")
+    except (CopyError, OSError) as exc:
+        print(f"install: {exc}", file=sys.stderr)
+        return status.FAILED
     return status.SUCCESS
+
+
+def left_to_h200(selection: Path) -> list[tuple[str, str]]:
+    """(name, version) of each pin `selection` leaves to the H200's installation, sorted. The
+    file came with the bundle, so it is untrusted: a malformed line is a CopyError naming it."""
+    try:
+        pins = stage.parse_selection(selection.read_text(), str(selection))
+    except stage.StageError as exc:
+        raise CopyError(str(exc)) from exc
+    return sorted((name, version) for name, (version, source) in pins.items() if source == stage.FROM_H200)
 
 
 def installed_roots() -> list[Path]:
@@ -107,6 +117,7 @@ def copy_dist(name: str, version: str, site: Path, roots: list[Path] | None = No
     unhashed = [str(p) for p, digest, _ in plan if digest is None and not _is_record(p)]
     if unhashed:
         raise CopyError(f"{name}: RECORD lists {', '.join(unhashed[:3])} without a sha256; cannot verify the copy")
+    _refuse_linked_folders(name, [p for p, _, _ in plan], site)
     clashes = [str(p) for p, _, _ in plan if (site / p).exists() or (site / p).is_symlink()]
     if clashes:
         raise CopyError(f"{name}: {site} already has {', '.join(clashes[:3])}; expected a site without {name}")
@@ -119,6 +130,20 @@ def copy_dist(name: str, version: str, site: Path, roots: list[Path] | None = No
         _undo(written, site)
         raise
     return len(written)
+
+
+def _refuse_linked_folders(name: str, paths: list[PurePosixPath], site: Path) -> None:
+    """Refuse before copying if a folder on the way to an entry is a symlink in `site`: the copy
+    would write wherever it points (a RECORD inside its root is no proof the target stays in the
+    site). Each folder is looked at once: a CUDA library lists thousands of files in a few."""
+    folders = {folder for path in paths for folder in path.parents if folder.parts}
+    linked = {folder for folder in folders if (site / folder).is_symlink()}
+    for path in paths:
+        folder = next((f for f in reversed(path.parents) if f in linked), None)
+        if folder is not None:
+            raise CopyError(f"{name}: RECORD entry {path} would be written through {site / folder}, a symlink "
+                            f"(to {(site / folder).readlink()}); expected real folders in the site. Remove the "
+                            "symlink (or start from a fresh site) and re-run the install phase")
 
 
 def _undo(written: list[Path], site: Path) -> None:

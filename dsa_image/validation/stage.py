@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import subprocess
 import sys
 import tarfile
@@ -100,6 +101,8 @@ class Staged:
 
 # selection.txt's file column for a pin that is not carried: the H200's installed copy
 FROM_H200 = "-"
+# One line of it (selection_text): the pin, the wheel's filename or FROM_H200, then why
+SELECTION_LINE = re.compile(rf"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)\s+(\S+\.whl|{re.escape(FROM_H200)})(\s.*)?")
 COPIED = "on the H200: its installed copy goes into the site with torch (its CUDA library set)"
 
 
@@ -309,15 +312,20 @@ def write_stage(staged: list[Staged], files: dict[str, Path], out: Path, part_by
 # --- on the device: does the bundle cover the base on this H200? --------------------------
 
 
-def parse_selection(text: str) -> dict[str, tuple[str, str]]:
+def parse_selection(text: str, where: str = SELECTION) -> dict[str, tuple[str, str]]:
     """{name: (version, wheel filename)} of a bundle's selection.txt; the filename is `FROM_H200`
-    for a pin the H200's installed copy stands for."""
-    found = {}
-    for line in text.splitlines():
-        if line.strip():
-            pin, filename = line.split()[:2]
-            name, version = lock_parse.split_pin(pin)
-            found[name] = (version, filename)
+    for a pin the H200's installed copy stands for. The file rides to the device with the
+    bundle: a line selection_text would not write is refused (StageError, USAGE), not guessed at."""
+    found: dict[str, tuple[str, str]] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        match = SELECTION_LINE.fullmatch(line.strip())
+        if not match or lock_parse.normalize(match[1]) in found:
+            raise StageError(f"{where}:{number}: expected `name==version  <wheel file or {FROM_H200}>  <why>`, one "
+                             f"line per pin, as staging writes it; found {line.strip()!r}. Re-stage "
+                             "(`python3 scripts/stage_h200_wheels.py`) and carry the new parts", status.USAGE)
+        found[lock_parse.normalize(match[1])] = (match[2], match[3])
     return found
 
 
@@ -464,7 +472,7 @@ def main(argv=None) -> int:
 
 
 def _check(recipe: Recipe, freeze: Path, record: Path, selection_file: Path | None) -> int:
-    staged = parse_selection(selection_file.read_text()) if selection_file else None
+    staged = parse_selection(selection_file.read_text(), str(selection_file)) if selection_file else None
     report, problems = check_freeze(recipe, read_record(freeze), read_record(record), staged)
     print("\n".join(report))
     if problems:
