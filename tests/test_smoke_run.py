@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -33,9 +32,6 @@ SMOKE = REPO / "scripts" / "smoke.py"
 # The fakes play vLLM 0.24.0 (its dist-info, image label and log: FLASHMLA_SPARSE on sm_90); the
 # base the smoke checks follows the served vLLM, so the expectations here are 0.24.0's.
 RECIPE = load_recipe(vllm="0.24.0")
-# The image's test stage (DSA_IMAGE_IN_IMAGE=1) carries dsa_image/ and tests/ but not this script.
-needs_script = pytest.mark.skipif(os.environ.get("DSA_IMAGE_IN_IMAGE") == "1",
-                                  reason="runs a script of scripts/ that the image's test stage does not carry")
 
 H200 = {"gpus": [{"name": "NVIDIA H200", "compute_capability": "9.0", "driver_version": "580.95.05"}],
         "source": "test"}
@@ -300,7 +296,6 @@ def wait_gone(pid: int, seconds: float = 10) -> bool:
     return False
 
 
-@needs_script
 def test_local_runtime_runs_every_check_and_kills_the_process_group(tmp_path, fake_env):
     site, files = fake_env
     proc = run_local(tmp_path, site, "--", "--enforce-eager", "--gpu-memory-utilization", "0.15")
@@ -329,7 +324,6 @@ def test_local_runtime_runs_every_check_and_kills_the_process_group(tmp_path, fa
     assert wait_gone(child_pid(files)), "a child of the server outlived the smoke run"
 
 
-@needs_script
 def test_local_runtime_reports_an_early_exit(tmp_path, fake_env, monkeypatch):
     site, files = fake_env
     monkeypatch.setenv("FAKE_VLLM_EXIT_CODE", "3")
@@ -349,7 +343,6 @@ def _ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@needs_script
 @pytest.mark.parametrize("sig, sigint_ignored_at_start", [
     (signal.SIGINT, False), (signal.SIGTERM, False),
     # As a job started with `&` by a non-interactive shell (a CI step) inherits it.
@@ -370,7 +363,6 @@ def test_local_runtime_cleans_up_on_a_signal(tmp_path, fake_env, monkeypatch, si
     assert wait_gone(child_pid(files))
 
 
-@needs_script
 def test_usage_errors_exit_2(tmp_path):
     site = make_fake_vllm_site(tmp_path / "site")
     for argv in (["--runtime", "docker"], ["--runtime", "local"], ["--runtime", "local", "--python", sys.executable,
@@ -381,7 +373,6 @@ def test_usage_errors_exit_2(tmp_path):
     assert "unknown target 'sm999'" in done.stderr
 
 
-@needs_script
 def test_an_environment_without_vllm_or_on_an_unpinned_release_exits_2(tmp_path):
     """The environment's vLLM picks the recipe base: none, or one the recipe does not pin, is bad input."""
     empty = tmp_path / "empty"
@@ -395,7 +386,6 @@ def test_an_environment_without_vllm_or_on_an_unpinned_release_exits_2(tmp_path)
     assert "this recipe pins: 0.24.0, 0.33.0" in done.stderr
 
 
-@needs_script
 def test_the_environments_vllm_picks_the_base_checked(tmp_path, fake_env, monkeypatch):
     """A site holding vLLM 0.33.0: the backends expected are 0.33.0's on sm_90 (FLASH_ATTN_MLA_SPARSE)
     and `verify` checks the site against 0.33.0's overlay, whatever the recipe's default base."""
