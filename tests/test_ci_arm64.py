@@ -26,9 +26,6 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_QEMU = REPO / "scripts" / "install_qemu.sh"
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
-# The image's test stage (DSA_IMAGE_IN_IMAGE=1) carries neither .ci/ nor the CI scripts' use.
-pytestmark = pytest.mark.skipif(os.environ.get("DSA_IMAGE_IN_IMAGE") == "1",
-                                reason="tests CI's scripts, which run on the CI machine, not in the image")
 on_aarch64 = pytest.mark.skipif(platform.machine() == "aarch64", reason="arm64 runs natively here: no QEMU")
 
 # -- .ci/run with stubbed helpers -----------------------------------------------------------

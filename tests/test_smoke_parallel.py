@@ -532,7 +532,6 @@ def test_docker_gpus_held_are_the_containers_processes(fake_docker, tmp_path):
     assert "error" in facts["shm"]  # the fake container runs no df
 
 
-@smoke_run.needs_script
 @pytest.mark.parametrize("argv, says", [
     (["--gpus", "1", "--tensor-parallel-size", "2"], "needs 2 GPUs, but 1 is visible (--gpus 1, of the 2 GPUs"),
     (["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"], "needs 4 GPUs, but 2 are visible (--gpus all"),
@@ -570,7 +569,6 @@ def fake_gpu_host(tmp_path, monkeypatch):
     return site, files
 
 
-@smoke_run.needs_script
 def test_local_runtime_tp2_over_ray_records_the_layout(tmp_path, fake_gpu_host):
     site, files = fake_gpu_host
     proc = smoke_run.run_local(tmp_path, site, "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
@@ -599,7 +597,6 @@ def test_local_runtime_tp2_over_ray_records_the_layout(tmp_path, fake_gpu_host):
     assert smoke_run.wait_gone(child)
 
 
-@smoke_run.needs_script
 @pytest.mark.parametrize("argv, env, says", [
     (["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"], {"FAKE_RAY_BROKEN": "1"},
      "needs Ray importable by"),
