@@ -55,7 +55,7 @@ class Client:
     @contextlib.contextmanager
     def _open(self, path: str, payload: Any = None, timeout_s: float | None = None) -> Iterator[http.client.HTTPResponse]:
         """The response of a 2xx answer; HttpError for no answer or another status."""
-        said = f"{'GET' if payload is None else 'POST'} {self.endpoint.url(path)}"
+        said = self._said(path, payload)
         try:
             with self.endpoint.open(path, payload, timeout_s or self.timeout_s) as response:
                 if not 200 <= response.status < 300:
@@ -64,6 +64,10 @@ class Client:
                 yield response
         except (OSError, http.client.HTTPException) as e:
             raise HttpError(f"{said}: {e}") from None
+
+    def _said(self, path: str, payload: Any) -> str:
+        """A request as its errors name it: the method Endpoint.open uses, and the URL."""
+        return f"{'GET' if payload is None else 'POST'} {self.endpoint.url(path)}"
 
     def status(self, path: str, timeout_s: float = 5.0) -> int | None:
         """The HTTP status of GET `path`, or None when nothing answers."""
@@ -88,8 +92,7 @@ class Client:
             # json accepts NaN / Infinity literals: the checks must see them, not a parse error.
             body = json.loads(raw)
         except json.JSONDecodeError:
-            said = f"{'GET' if payload is None else 'POST'} {self.endpoint.url(path)}"
-            raise HttpError(f"{said}: not JSON: {raw[:500]!r}", status) from None
+            raise HttpError(f"{self._said(path, payload)}: not JSON: {raw[:500]!r}", status) from None
         return Response(status, body, seconds)
 
     def post_stream(self, path: str, payload: Any) -> StreamResponse:

@@ -321,11 +321,11 @@ def parse_selection(text: str, where: str = SELECTION) -> dict[str, tuple[str, s
         if not line.strip():
             continue
         match = SELECTION_LINE.fullmatch(line.strip())
-        if not match or lock_parse.normalize(match[1]) in found:
+        if not match or (name := lock_parse.normalize(match[1])) in found:
             raise StageError(f"{where}:{number}: expected `name==version  <wheel file or {FROM_H200}>  <why>`, one "
                              f"line per pin, as staging writes it; found {line.strip()!r}. Re-stage "
                              "(`python3 scripts/stage_h200_wheels.py`) and carry the new parts", status.USAGE)
-        found[lock_parse.normalize(match[1])] = (match[2], match[3])
+        found[name] = (match[2], match[3])
     return found
 
 
