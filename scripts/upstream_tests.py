@@ -9,7 +9,8 @@ overlaid module, run per file against a stock site and an overlaid site, compare
   run     --bundle DIR --side stock|overlay --out OUT [--python EXE] [--site DIR] [--libs DIR...]
                                            each selected file in its own pytest, junit XML per
                                            file in OUT/SIDE/ (resumes: files with a result are
-                                           not run again)
+                                           not run again; a file its --timeout cut short goes
+                                           on in parts, each test run once)
   compare OUT --bundle DIR [--json FILE]   the per-file table over every file the bundle selects
                                            (none left out for lack of results), the regressions,
                                            "N regressions"
@@ -140,7 +141,9 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--python", default=sys.executable, help="the interpreter of the site (default: this one)")
     parser.add_argument("--libs", type=Path, action="append", default=[],
                         help="a directory appended to sys.path after the site's packages (repeatable)")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per test file and side (default 600)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per run of a test file on a side (default "
+                        "600); a file it cuts short goes on in parts, the test a part's kill caught rerun, or, if it "
+                        "had the whole part, its outcome `timeout`")
     parser.add_argument("--deadline-s", type=float, help="start no file after this many seconds (resume later)")
     parser.add_argument("--jobs", type=int, default=1, help="test files run at once (default 1)")
     parser.add_argument("--files", nargs="+", metavar="PATH", help="only these selected files (tests/...py)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -458,13 +459,15 @@ def test_the_gate_runs_each_file_on_both_sites_and_counts_the_regressions(gate):
     assert code == 1, output
     for line in ("tests/test_gate.py::test_broken_by_the_overlay: passed -> failed",
                  "tests/test_gate.py::test_skipped_on_stock_fails_on_the_overlay: skipped -> failed",
-                 "tests/test_slow.py::test_sleeps: passed -> missing",
+                 "tests/test_slow.py::test_sleeps: passed -> timeout",
                  "tests/test_gate.py::test_fails_on_both: failed -> failed"):
         assert line in output
     assert "tests/test_needs.py [stock] not-runnable: its collection imports a_module_no_site_has" in output
     assert "\n3 regressions\n" in output
     overlay_run = json.loads((gate["out"] / "overlay" / ut.RUN_FILE).read_text())
-    assert overlay_run["files"]["tests/test_slow.py"]["status"] == "timeout"
+    # The test had the whole part to itself: its outcome is a timeout, the next part ends the file.
+    assert overlay_run["files"]["tests/test_slow.py"]["status"] == "ran"
+    assert overlay_run["files"]["tests/test_slow.py"]["parts"] == 2
     assert overlay_run["site"]["receipt"] is True and overlay_run["site"]["vllm_version"] == "0.33.0"
     assert (gate["out"] / "stock" / "logs" / "tests__test_gate.log").read_text().count("passed") >= 1
     assert not list(gate["bundle"].rglob("__pycache__"))  # the bundle stays as written
@@ -484,6 +487,77 @@ def test_a_run_resumes_and_refuses_results_of_another_bundle_or_site(gate, tmp_p
     code, output = gate["run"](*args[:-2], "--python", sys.executable, "--site", str(gate["stock"]),
                                "--libs", str(tmp_path))
     assert code == 2 and "results of another site" in output, output
+
+
+# Each test writes a marker when it begins; test_hangs_once hangs in its first part only.
+PARTED = {
+    "tests/__init__.py": "",
+    "tests/test_parts.py": (
+        "import os, time\nimport pytest\nimport vllm.mod\n\n"
+        "def begun(name):\n    path = os.path.join(os.environ['PARTS_MARKERS'], name)\n"
+        "    seen = os.path.exists(path)\n    open(path, 'a').write('x')\n    return seen\n\n"
+        "def test_first():\n    begun('first')\n\n"
+        "def test_hangs_once():\n    if not begun('hangs_once'):\n        time.sleep(60)\n\n"
+        "@pytest.mark.parametrize('n', [1, 2])\ndef test_after(n):\n    begun(f'after{n}')\n\n"
+        "def test_hangs_always():\n    begun('hangs_always')\n    time.sleep(60)\n\n"
+        "def test_last():\n    begun('last')\n    assert False\n"),
+}
+
+
+def test_a_file_longer_than_its_timeout_ends_in_parts_each_test_once(tmp_path, monkeypatch):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    monkeypatch.setenv("PARTS_MARKERS", str(markers))
+    root = bundle(tmp_path, PARTED, ("vllm.mod",))
+    stock, out = site(tmp_path / "stock", STOCK_MOD), tmp_path / "out"
+    runs = ut.run_tasks(ut.load_bundle(root), [ut.Site("stock", sys.executable, stock)], out, timeout=6,
+                        report=lambda line: None)
+    result = runs["stock"]["files"]["tests/test_parts.py"]
+    # part 1: first, then killed in hangs_once (rerun); part 2: hangs_once, after[1], after[2],
+    # killed in hangs_always (rerun); part 3: hangs_always alone, its timeout; part 4: last.
+    assert (result["status"], result["parts"]) == ("ran", 4), result
+    progress = ut.read_record(out / "stock" / "records" / "tests__test_parts.jsonl", "tests/test_parts.py")
+    test = "tests/test_parts.py::"
+    assert progress.outcomes == {f"{test}test_first": "passed", f"{test}test_hangs_once": "passed",
+                                 f"{test}test_after[1]": "passed", f"{test}test_after[2]": "passed",
+                                 f"{test}test_hangs_always": "timeout", f"{test}test_last": "failed"}
+    assert len(progress.collected) == 6
+    begun = {m.name: len(m.read_text()) for m in markers.iterdir()}  # how often each test began
+    assert begun == {"first": 1, "hangs_once": 2, "after1": 1, "after2": 1, "hangs_always": 2, "last": 1}
+
+
+def test_the_parts_outcomes_are_what_compare_reads(tmp_path):
+    selecting(tmp_path, "tests/test_a.py")
+    results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed"), ("slow", "passed")]}, False)
+    results(tmp_path, "overlay", {"tests/test_a.py": [("ok", "passed")]}, True)
+    record = tmp_path / "overlay" / "records" / "tests__test_a.jsonl"
+    record.parent.mkdir(parents=True)
+    record.write_text("\n".join(json.dumps(line) for line in (
+        {"part": 1}, {"collected": ["tests/test_a.py::ok", "tests/test_a.py::slow"]}, {"start": "tests/test_a.py::ok"},
+        {"done": "tests/test_a.py::ok", "outcome": "passed"}, {"start": "tests/test_a.py::slow"}, {"part": 2},
+        {"collected": ["tests/test_a.py::ok", "tests/test_a.py::slow"]}, {"start": "tests/test_a.py::slow"},
+        {"done": "tests/test_a.py::slow", "outcome": "timeout"})) + "\n")
+    run = json.loads((tmp_path / "overlay" / ut.RUN_FILE).read_text())
+    run["files"]["tests/test_a.py"]["parts"] = 3
+    (tmp_path / "overlay" / ut.RUN_FILE).write_text(json.dumps(run))
+    code, output = compare(tmp_path)
+    assert code == 1 and "tests/test_a.py::slow: passed -> timeout" in output, output
+    assert re.search(r"tests/test_a\.py +2 +0 +0 +1 +1 +0  1 regression\(s\)", output), output
+
+
+@pytest.mark.parametrize("line, why", [
+    ('{"done": "tests/other.py::x", "outcome": "passed"}', "another file's test"),
+    ('{"done": "tests/test_a.py::x", "outcome": "great"}', "an unknown outcome"),
+    ('{"start": "tests/test_a.py::x", "extra": 1}', "a key too many"),
+    ('{"part": true}', "a part that is no count"),
+    ('{"collected": "tests/test_a.py::x"}', "a collection that is no list"),
+    ('not json', "not JSON"),
+])
+def test_a_record_line_that_is_not_one_is_refused_with_its_place(tmp_path, line, why):
+    record = tmp_path / "r.jsonl"
+    record.write_text('{"part": 1}\n' + line + "\n")
+    with pytest.raises(ut.UpstreamTestsError, match=r"r\.jsonl:2: not a record line of tests/test_a\.py"):
+        ut.read_record(record, "tests/test_a.py")
 
 
 @pytest.mark.parametrize("side, which, version, message", [

@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsa_image.upstream.bundle import Bundle
-from dsa_image.upstream.run import SIDES, junit_name, load_run
+from dsa_image.upstream.recorder import ERROR, FAILED, PASSED, SKIPPED
+from dsa_image.upstream.run import CRASHED, SIDES, TIMEOUT, junit_name, load_run, read_record, record_path
 from dsa_image.upstream.selection import UpstreamTestsError
 
-PASSED, FAILED, ERROR, SKIPPED, MISSING = "passed", "failed", "error", "skipped", "missing"
-_FAILS = (FAILED, ERROR)
+MISSING = "missing"
+# A test a part's kill or crash caught fails like one that failed: on the overlay alone, a regression.
+_FAILS = (FAILED, ERROR, TIMEOUT, CRASHED)
+_COUNTED = (PASSED, FAILED, ERROR, SKIPPED, TIMEOUT, CRASHED)
 
 
 def node_id(test_file: str, classname: str, name: str) -> str:
@@ -83,11 +86,20 @@ def is_regression(stock: str, overlay: str) -> bool:
     return stock == MISSING and overlay in _FAILS
 
 
+def file_outcomes(out: Path, side: str, path: str, result: dict) -> dict[str, str]:
+    """{node id: outcome} of a file's finished run on one side: its junit XML, or for a file run
+    in parts its record (each part's junit holds only that part's tests)."""
+    if result.get("status") != "ran":
+        return {}
+    if result.get("parts"):
+        return read_record(record_path(out / side, path), path).outcomes
+    return junit_outcomes(out / side / "junit" / junit_name(path), path)
+
+
 def compare_file(path: str, stock: dict, overlay: dict, out: Path) -> FileComparison:
     sides = {"stock": stock, "overlay": overlay}
-    outcomes = {side: junit_outcomes(out / side / "junit" / junit_name(path), path) if r.get("status") == "ran" else {}
-                for side, r in sides.items()}
-    counts = {side: {k: sum(1 for o in found.values() if o == k) for k in (PASSED, FAILED, ERROR, SKIPPED)}
+    outcomes = {side: file_outcomes(out, side, path, r) for side, r in sides.items()}
+    counts = {side: {k: sum(1 for o in found.values() if o == k) for k in _COUNTED}
               for side, found in outcomes.items()}
     comparison = FileComparison(path, stock, overlay, counts, [], [], [])
     if stock.get("status") != "ran":
@@ -100,7 +112,7 @@ def compare_file(path: str, stock: dict, overlay: dict, out: Path) -> FileCompar
             comparison.fail_on_both.append(change)
         elif change.stock != change.overlay:
             comparison.other.append(change)
-    if overlay.get("status") not in (None, "ran") and not comparison.regressions:
+    if overlay.get("status") not in (None, "ran", "partial") and not comparison.regressions:
         # The overlay's run gave nothing where stock's did: that is a regression by itself.
         comparison.regressions.append(Change(path, f"{path} (the whole file)", "ran", overlay["status"]))
     return comparison
@@ -164,11 +176,11 @@ def compare_runs(out: Path, bundle: Bundle, files: list[str] | None = None) -> C
 def _cell(result: dict, counts: dict[str, int]) -> str:
     if result.get("status") != "ran":
         return f"{result.get('status', 'not run'):>17}"
-    return f"{counts[PASSED]:5} {counts[FAILED] + counts[ERROR]:5} {counts[SKIPPED]:5}"
+    return f"{counts[PASSED]:5} {sum(counts[k] for k in _FAILS):5} {counts[SKIPPED]:5}"
 
 
 def format_comparison(comparison: Comparison) -> str:
-    """The per-file table (passed / failed+errors / skipped on each side), then every regression,
+    """The per-file table (passed / failed, errors, timeouts, crashes / skipped on each side), then every regression,
     every test failing on both, every file without a result, and the count of regressions."""
     width = max([len(f.path) for f in comparison.files] + [4])
     lines = [f"vLLM {comparison.vllm_version}: upstream's tests, stock vs overlay",
@@ -177,8 +189,7 @@ def format_comparison(comparison: Comparison) -> str:
     for f in comparison.files:
         note = f"  {len(f.regressions)} regression(s)" if f.regressions else ""
         lines.append(f"{f.path:{width}}  {_cell(f.stock, f.counts['stock'])}  {_cell(f.overlay, f.counts['overlay'])}{note}")
-    total = {side: {k: sum(f.counts[side][k] for f in comparison.files) for k in (PASSED, FAILED, ERROR, SKIPPED)}
-             for side in SIDES}
+    total = {side: {k: sum(f.counts[side][k] for f in comparison.files) for k in _COUNTED} for side in SIDES}
     lines.append(f"{'total':{width}}  {_cell({'status': 'ran'}, total['stock'])}  {_cell({'status': 'ran'}, total['overlay'])}")
     sections = [("regressions (pass or skip on stock, fail/error/skip/missing on the overlay)", comparison.regressions),
                 ("failing on both (listed, not the overlay's)", [c for f in comparison.files for c in f.fail_on_both]),

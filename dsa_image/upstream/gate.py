@@ -13,7 +13,9 @@ dsa_image.core.wheels) ships vLLM's `tests/`. From it, one stage per module:
   lock's packages.
 * **run** (`dsa_image.upstream.run`): each selected file in its own pytest process against one
   site, junit XML per file, a timeout per file; a file whose import needs a module the site
-  lacks is not run, and the result says which.
+  lacks is not run, and the result says which. `dsa_image.upstream.recorder`, a plugin in each
+  of those processes, records every test as it ends, so a file longer than its timeout goes on
+  in parts (deselecting what finished), across calls.
 * **compare** (`dsa_image.upstream.compare`): a stock run and an overlaid run of the same
   bundle, test by test. The rule: no test that passes (or is skipped) on stock may fail,
   error, be skipped (if it passed) or be missing on the overlay; a test failing on both is
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 from dsa_image.upstream.bundle import Bundle, lib_requirements, load_bundle, make_bundle, pinned_sdist, read_sdist, selection_doc, write_bundle
 from dsa_image.upstream.compare import compare_runs, comparison_doc, format_comparison, is_regression, junit_outcomes, node_id
-from dsa_image.upstream.run import RUN_FILE, RUN_SCHEMA, SIDES, Site, junit_name, run_tasks
+from dsa_image.upstream.run import CRASHED, RUN_FILE, RUN_SCHEMA, SIDES, TIMEOUT, Progress, Site, junit_name, read_record, record_path, run_tasks
 from dsa_image.upstream.selection import Selected, Selection, UpstreamTestsError, UpstreamTree, loads_module, overlaid_modules, select
 
 __all__ = [
@@ -37,7 +39,8 @@ __all__ = [
     "Bundle", "lib_requirements", "load_bundle", "make_bundle", "pinned_sdist", "read_sdist", "selection_doc",
     "write_bundle",
     # run
-    "RUN_FILE", "RUN_SCHEMA", "SIDES", "Site", "junit_name", "run_tasks",
+    "CRASHED", "RUN_FILE", "RUN_SCHEMA", "SIDES", "TIMEOUT", "Progress", "Site", "junit_name", "read_record",
+    "record_path", "run_tasks",
     # compare
     "compare_runs", "comparison_doc", "format_comparison", "is_regression", "junit_outcomes", "node_id",
 ]

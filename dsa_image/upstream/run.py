@@ -3,6 +3,12 @@ process against one side's vLLM (a Python and, for a `pip install --target` site
 directory on PYTHONPATH), junit XML per file, a timeout per file, the results in
 out/<side>/run.json. A file whose import needs a module the site lacks is not run; the
 result says which. A run cut short resumes: a file with a result is not run again.
+
+A file that outlives its timeout is not lost: `recorder` wrote each test's outcome as it
+finished, so the file is `partial` and its next run (a part) deselects what finished. The test
+a kill or a crash caught is rerun in the next part, unless it had the whole part to itself (it
+is then that test's `timeout`) or the process crashed under it (`crashed`): every part
+finishes a test or ends the file, so a file of any length ends in parts, across calls.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 from dsa_image.core.atomic import write_atomic
 from dsa_image.core.site_path import pythonpath
 from dsa_image.overlay.core import RECEIPT_NAME
+from dsa_image.upstream import recorder
 from dsa_image.upstream.bundle import LIBS, Bundle
 from dsa_image.upstream.selection import UpstreamTestsError
 
@@ -38,10 +45,11 @@ print(json.dumps({"python": sys.version.split()[0], "vllm_version": importlib.me
                   "vllm_site": site, "receipt": os.path.exists(os.path.join(site, sys.argv[2])),
                   "missing": [m for m in json.loads(sys.argv[3]) if importlib.util.find_spec(m) is None]}))
 """
-# Runs pytest with the libs appended to sys.path (after the site's packages, which they never
-# shadow); the bundle root (cwd) is sys.path[0], so `tests.` and upstream's config resolve there.
-_PYTEST = "import json, sys; sys.path.extend(json.loads(sys.argv.pop(1))); import pytest; sys.exit(pytest.main(sys.argv[1:]))"
 _LOG_TAIL = 3000  # characters of a crashed file's output kept in run.json
+# Outcomes only the runner writes into a record: the test a kill or a crash caught.
+TIMEOUT, CRASHED = "timeout", "crashed"
+STATUSES = ("ran", "partial", "not-runnable", "timeout", "crashed")
+_RECORD_LIMIT = 64 << 20  # bytes: far above any file's record (2,400 tests: ~0.5 MB)
 
 
 @dataclass(frozen=True)
@@ -96,29 +104,112 @@ def probe_site(site: Site, bundle: Bundle, needs: list[str], timeout: float = 30
 
 @dataclass(frozen=True)
 class FileResult:
-    """One test file's run on one side. status: ran (junit written), not-runnable (a module
-    collection imports is missing), timeout, crashed (no junit: killed, internal error)."""
+    """One test file's run on one side. status: ran (junit written; with `parts`, in that many
+    runs, the outcomes in its record), partial (a part was killed or crashed after finishing
+    tests: the next run resumes it), not-runnable (a module collection imports is missing),
+    timeout (killed before any test began), crashed (no junit and no test to blame)."""
 
     status: str
     seconds: float
     exit_code: int | None = None
     reason: str = ""
+    parts: int = 0  # 0: run whole, in one process; else the parts it took so far
 
     def doc(self) -> dict:
-        return {"status": self.status, "seconds": round(self.seconds, 1), "exit_code": self.exit_code,
-                "reason": self.reason}
+        doc = {"status": self.status, "seconds": round(self.seconds, 1), "exit_code": self.exit_code,
+               "reason": self.reason}
+        return {**doc, "parts": self.parts} if self.parts else doc
 
 
-def run_file(site: Site, bundle: Bundle, path: str, out: Path, timeout: float) -> FileResult:
-    """`path` in its own pytest process against `site`, junit to out/junit/, output to out/logs/."""
-    junit = out / "junit" / junit_name(path)
+def record_path(out: Path, path: str) -> Path:
+    """out/<side>/records/<name>.jsonl: what each of the file's tests did, over all its parts."""
+    return out / "records" / junit_name(path).replace(".xml", ".jsonl")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A file's record, read back: the parts begun, the first part's collection (the whole
+    file), each finished test's outcome, and the last part's test that began and did not end."""
+
+    parts: int
+    collected: tuple[str, ...]
+    outcomes: dict[str, str]
+    running: str | None
+    finished_in_last_part: int
+
+
+def read_record(path: Path, test_file: str) -> Progress:
+    """A record (untrusted: every line checked, and every node id must be one of `test_file`'s)."""
+    if not path.exists():
+        return Progress(0, (), {}, None, 0)
+    if path.stat().st_size > _RECORD_LIMIT:
+        raise UpstreamTestsError(f"{path}: {path.stat().st_size} bytes, over the {_RECORD_LIMIT} a record may be")
+    parts, collected, outcomes, running, finished = 0, None, {}, None, 0
+    for number, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(), 1):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            doc = None
+        kind = _record_line(doc, test_file)
+        if kind is None:
+            raise UpstreamTestsError(f"{path}:{number}: not a record line of {test_file}: {line[:200]!r}; expected "
+                                     '{"part": N}, {"collected": [...]}, {"start": ID} or {"done": ID, "outcome": O} '
+                                     f"(remove {path} and the file's entry in run.json to run it again whole)")
+        if kind == "part":
+            parts, running, finished = parts + 1, None, 0
+        elif kind == "collected":
+            collected = tuple(doc["collected"]) if collected is None else collected
+        elif kind == "start":
+            running = doc["start"]
+        else:
+            outcomes[doc["done"]] = doc["outcome"]
+            finished += doc["outcome"] in recorder.OUTCOMES
+            running = None if running == doc["done"] else running
+    return Progress(parts, collected or (), outcomes, running, finished)
+
+
+def _record_line(doc, test_file: str) -> str | None:
+    """The kind of one record line, or None if it is not one."""
+    def ours(node: object) -> bool:
+        return isinstance(node, str) and (node == test_file or node.startswith(f"{test_file}::"))
+    if not isinstance(doc, dict):
+        return None
+    keys = set(doc)
+    if keys == {"part"} and isinstance(doc["part"], int) and not isinstance(doc["part"], bool):
+        return "part"
+    if keys == {"collected"} and isinstance(doc["collected"], list) and all(map(ours, doc["collected"])):
+        return "collected"
+    if keys == {"start"} and ours(doc["start"]):
+        return "start"
+    if keys == {"done", "outcome"} and ours(doc["done"]) and doc["outcome"] in (*recorder.OUTCOMES, TIMEOUT, CRASHED):
+        return "done"
+    return None
+
+
+def _append(path: Path, doc: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(doc) + "\n")
+
+
+def run_file(site: Site, bundle: Bundle, path: str, out: Path, timeout: float,
+             prior: dict | None = None) -> FileResult:
+    """One run (part) of `path` in its own pytest process against `site`: junit to out/junit/,
+    output to out/logs/, each test's outcome to its record. `prior`: the file's partial result,
+    which this part resumes; without it the file starts afresh."""
+    junit, record = out / "junit" / junit_name(path), record_path(out, path)
     log = out / "logs" / junit_name(path).replace(".xml", ".log")
-    for p in (junit, log):
+    for p in (junit, log, record):
         p.parent.mkdir(parents=True, exist_ok=True)
+    for p in (junit, log) if prior else (junit, log, record):
         p.unlink(missing_ok=True)
+    before = read_record(record, path)
+    part = before.parts + 1
+    _append(record, {"part": part})
+    done = record.with_suffix(".done.json")
+    write_atomic(done, json.dumps(sorted(before.outcomes)).encode())
     libs = json.dumps([str(p) for p in (*site.libs, bundle.root / LIBS)])
-    argv = [site.python, "-B", "-c", _PYTEST, libs, path, "--rootdir", ".", "-p", "no:cacheprovider",
-            f"--junitxml={junit}", "-q", "-rfE", "--color=no"]
+    argv = [site.python, "-B", "-c", recorder.program(), libs, str(record.resolve()), str(done.resolve()), path,
+            "--rootdir", ".", "-p", "no:cacheprovider", f"--junitxml={junit}", "-q", "-rfE", "--color=no"]
     started = time.monotonic()
     with open(log, "wb") as output:
         process = subprocess.Popen(argv, cwd=bundle.root, env=site.environment(dict(os.environ)),
@@ -129,13 +220,32 @@ def run_file(site: Site, bundle: Bundle, path: str, out: Path, timeout: float) -
             code = None
         finally:
             _end_session(process)
-    seconds = time.monotonic() - started
+    done.unlink(missing_ok=True)
+    seconds = time.monotonic() - started + (prior or {}).get("seconds", 0.0)
+    return _part_result(read_record(record, path), record, log, junit, code, seconds, timeout)
+
+
+def _part_result(progress: Progress, record: Path, log: Path, junit: Path, code: int | None, seconds: float,
+                 timeout: float) -> FileResult:
+    """What a part's end makes of the file: ran, partial (resume), timeout or crashed."""
+    part = progress.parts
+    if code is not None and junit.is_file():
+        return FileResult("ran", seconds, code, parts=part if part > 1 else 0)
+    if progress.running:
+        caught = CRASHED if code is not None else TIMEOUT if not progress.finished_in_last_part else None
+        if caught:  # a crash under it, or a kill when it had the whole part: that test's outcome
+            _append(record, {"done": progress.running, "outcome": caught})
+        what = f"pytest exited {code}" if code is not None else f"killed after {timeout:.0f} s"
+        return FileResult("partial", seconds, code, f"part {part}: {what} in {progress.running} "
+                          f"({caught or 'rerun next part'}); {len(progress.outcomes) + bool(caught)} of "
+                          f"{len(progress.collected)} tests done", part)
+    if progress.finished_in_last_part:
+        return FileResult("partial", seconds, code, f"part {part}: ended between tests; "
+                          f"{len(progress.outcomes)} of {len(progress.collected)} tests done", part)
     if code is None:
-        return FileResult("timeout", seconds, None, f"killed after {timeout:.0f} s")
-    if junit.is_file():
-        return FileResult("ran", seconds, code)
+        return FileResult("timeout", seconds, None, f"killed after {timeout:.0f} s, before a test began", part)
     tail = log.read_bytes()[-_LOG_TAIL:].decode(errors="replace")
-    return FileResult("crashed", seconds, code, f"pytest exited {code} without junit XML: ...{tail}")
+    return FileResult("crashed", seconds, code, f"pytest exited {code} without junit XML: ...{tail}", part)
 
 
 def _end_session(process: subprocess.Popen) -> None:
@@ -164,8 +274,11 @@ def load_run(out: Path, side: str, bundle_sha256: str | None = None) -> dict:
             or not isinstance(doc.get("files"), dict) or not isinstance(doc.get("bundle_sha256"), str):
         raise UpstreamTestsError(f"{path}: not a schema {RUN_SCHEMA} run of the {side} side")
     for rel, result in doc["files"].items():
-        if not (isinstance(result, dict) and result.get("status") in ("ran", "not-runnable", "timeout", "crashed")):
+        if not (isinstance(result, dict) and result.get("status") in STATUSES):
             raise UpstreamTestsError(f"{path}: files[{rel!r}] has no known status")
+        parts = result.get("parts", 1)
+        if not (isinstance(parts, int) and not isinstance(parts, bool) and parts > 0):
+            raise UpstreamTestsError(f"{path}: files[{rel!r}] has parts {parts!r}; expected a count of runs")
     if bundle_sha256 is not None and doc["bundle_sha256"] != bundle_sha256:
         raise UpstreamTestsError(f"{path}: results of another bundle (sha256 {doc['bundle_sha256']}, this one "
                                  f"{bundle_sha256}); use a new --out, or remove {out / side}")
@@ -187,8 +300,8 @@ def run_tasks(bundle: Bundle, sites: list[Site], out: Path, timeout: float, file
               jobs: int = 1, deadline_s: float | None = None, report=print) -> dict[str, dict]:
     """Run each selected file (or `files`) on each site, `jobs` at a time, interleaved by file (with
     jobs=2 a file's stock and overlay runs go together). A file with a result in out/ already is
-    not run again; after `deadline_s` no file is started (the next call resumes). Returns each
-    side's run.json document."""
+    not run again, a partial one resumes; after `deadline_s` no file or part is started (the
+    next call resumes). Returns each side's run.json document."""
     selected = {s["path"]: s for s in bundle.selected}
     unknown = sorted(set(files or ()) - set(selected))
     if unknown:
@@ -213,17 +326,21 @@ def run_tasks(bundle: Bundle, sites: list[Site], out: Path, timeout: float, file
                     "not-runnable", 0.0, None, f"its collection imports {', '.join(missing)}, which "
                     f"{site.python} cannot import here").doc()
         _save_run(out, runs[site.side])
-    tasks = [Task(site, path) for path in wanted for site in sites if path not in runs[site.side]["files"]]
+    tasks = [Task(site, path) for path in wanted for site in sites
+             if runs[site.side]["files"].get(path, {"status": "partial"})["status"] == "partial"]
     started, lock = time.monotonic(), threading.Lock()
 
     def one(task: Task) -> None:
-        if deadline_s is not None and time.monotonic() - started > deadline_s:
-            return
-        result = run_file(task.site, bundle, task.path, out / task.site.side, timeout)
-        with lock:
-            runs[task.site.side]["files"][task.path] = result.doc()
-            _save_run(out, runs[task.site.side])
-            report(f"{task.site.side:8} {result.status:12} {result.seconds:6.0f} s  {task.path}")
+        prior = runs[task.site.side]["files"].get(task.path)
+        while deadline_s is None or time.monotonic() - started <= deadline_s:  # a part at a time
+            result = run_file(task.site, bundle, task.path, out / task.site.side, timeout, prior)
+            with lock:
+                runs[task.site.side]["files"][task.path] = prior = result.doc()
+                _save_run(out, runs[task.site.side])
+                parts = f" (part {result.parts})" if result.parts else ""
+                report(f"{task.site.side:8} {result.status:12} {result.seconds:6.0f} s  {task.path}{parts}")
+            if result.status != "partial":
+                return
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         list(pool.map(one, tasks))

@@ -218,8 +218,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     knobs.add_argument("--cluster-deadline-s", type=float, default=540, help="bounds the cluster phase")
     knobs.add_argument("--upstream-bundle", type=Path, help="what `upstream_tests.py bundle` made here and the call "
                        "carried (default: the repository's build/upstream-tests-X.Y.Z)")
-    knobs.add_argument("--upstream-timeout-s", type=float, default=420, help="seconds per test file and side")
-    knobs.add_argument("--upstream-deadline-s", type=float, default=120, help="no test file starts after this")
+    knobs.add_argument("--upstream-timeout-s", type=float, default=420, help="seconds per run (part) of a test file on a "
+                       "side; a file it cuts short goes on in parts")
+    knobs.add_argument("--upstream-deadline-s", type=float, default=120, help="no test file or part starts after this")
     knobs.add_argument("--upstream-jobs", type=int, default=2, help="test-file runs at once on the one GPU (2: a "
                        "file's stock and overlay runs together; 6: three files at once)")
     knobs.add_argument("--realwidth-modes", default=REALWIDTH_MODES[0],

@@ -1,0 +1,85 @@
+"""What each test did, written the moment it finishes: a pytest plugin the runner loads into every
+test file's pytest process, so a run killed at its timeout (or by a crash) still says which tests
+finished, how, and which one was running. The next run of the file deselects the finished ones:
+one file can take as many runs (parts) as its tests need, across calls.
+
+The record is JSON lines appended to one file per test file and side:
+
+  {"collected": [node id, ...]}        each run's whole collection, before deselection
+  {"start": node id}                   a test began (its setup)
+  {"done": node id, "outcome": "..."}  it ended (after its teardown): passed, failed, error, skipped
+
+Outcomes are junit's, as `compare.junit_outcomes` reads them: a failed setup or teardown is an
+error, a failed call is failed (also with a failed teardown), an xfail is skipped.
+
+This file's text runs as the process's `-c` program (`program()`), so it imports nothing of ours,
+and pytest only inside `main`: the tool that reads it runs where no pytest is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
+OUTCOMES = (PASSED, FAILED, ERROR, SKIPPED)
+
+
+def outcome_after(current: str | None, when: str, report_outcome: str) -> str | None:
+    """A test's outcome so far, after one of its reports (setup, call, teardown)."""
+    if report_outcome == "failed":
+        if when == "call":
+            return FAILED
+        return current if current == FAILED else ERROR
+    if report_outcome == "skipped" and current is None:
+        return SKIPPED
+    if report_outcome == "passed" and when == "call" and current is None:
+        return PASSED
+    return current
+
+
+class Recorder:
+    def __init__(self, record, done: set[str]):
+        self.record, self.done = record, done
+        self.outcomes: dict[str, str | None] = {}
+
+    def write(self, doc: dict) -> None:
+        self.record.write(json.dumps(doc) + "\n")
+        self.record.flush()  # the next line may never come: a kill, a crash
+
+    def pytest_collection_modifyitems(self, config, items):
+        self.write({"collected": [item.nodeid for item in items]})
+        finished = [item for item in items if item.nodeid in self.done]
+        if finished:
+            config.hook.pytest_deselected(items=finished)
+            items[:] = [item for item in items if item.nodeid not in self.done]
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.write({"start": nodeid})
+
+    def pytest_runtest_logreport(self, report):
+        self.outcomes[report.nodeid] = outcome_after(self.outcomes.get(report.nodeid), report.when, report.outcome)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self.write({"done": nodeid, "outcome": self.outcomes.pop(nodeid, None) or PASSED})
+
+
+def main(argv: list[str]) -> int:
+    """argv: the libs to append to sys.path (JSON), the record to append to, the node ids finished
+    in earlier parts (JSON file), then pytest's own arguments."""
+    libs, record_path, done_path, *args = argv
+    sys.path.extend(json.loads(libs))
+    import pytest
+
+    with open(done_path, encoding="utf-8") as f:
+        done = set(json.load(f))
+    with open(record_path, "a", encoding="utf-8") as record:
+        # Last among the collection hooks: upstream's conftests deselect and reorder first.
+        pytest.hookimpl(trylast=True)(Recorder.pytest_collection_modifyitems)
+        return int(pytest.main(args, plugins=[Recorder(record, done)]))
+
+
+def program() -> str:
+    """This module's text with the call to `main`: the `-c` program of a test file's process."""
+    with open(__file__, encoding="utf-8") as f:
+        return f.read() + "\nsys.exit(main(sys.argv[1:]))\n"
