@@ -21,6 +21,7 @@ from dsa_image.validation import memory_check
 
 DATA = Path(__file__).resolve().parent / "data"
 TINY, TINY_MTP = tiny_model.CONFIG, tiny_model.MTP_CONFIG
+REALWIDTH = realwidth_model.config()  # GLM-5 at real width, 4 layers and its MTP layer
 
 
 def report(name: str, cfg: dict) -> dict:
@@ -32,6 +33,8 @@ def report(name: str, cfg: dict) -> dict:
     ("h200-vllm0_33_0-run4-server-mtp2-stock-memory.log", TINY_MTP, 668_992, 5 * (576 * 2 + 132)),  # + the MTP layer's
     ("h200-vllm0_33_0-run4-server-long-fp8-mtp3-stock-memory.log", TINY_MTP, 1_090_048, 5 * (656 + 132)),  # fp8_ds_mla
     ("h200-overlay-f1d4805b-server-b12x-stock-memory.log", TINY, 836_224, 4 * (576 * 2 + 132)),  # 0.24.0
+    ("h200-vllm0_33_0-run9-realwidth-long-fp8-mtp3-stock-memory.log", REALWIDTH, 1_090_048, 5 * (656 + 132)),
+    ("h200-vllm0_33_0-run9-realwidth-long-mtp1-overlay-memory.log", REALWIDTH, 668_992, 5 * (576 * 2 + 132)),
 ])
 def test_the_plans_kv_tokens_are_what_vllm_allocated(name, cfg, tokens, per_token):
     kv = report(name, cfg)["kv"]
@@ -43,6 +46,7 @@ def test_the_plans_kv_tokens_are_what_vllm_allocated(name, cfg, tokens, per_toke
     ("h200-vllm0_33_0-run4-server-cold-stock-memory.log", TINY),
     ("h200-vllm0_33_0-run4-server-mtp2-stock-memory.log", TINY_MTP),
     ("h200-overlay-f1d4805b-server-b12x-stock-memory.log", TINY),
+    ("h200-vllm0_33_0-run9-realwidth-long-mtp1-overlay-memory.log", REALWIDTH),  # 43.01 GiB: the MTP layer's MoE too
 ])
 def test_a_bf16_cache_leaves_the_plans_weights_within_the_slack(name, cfg):
     weights = report(name, cfg)["weights"]
