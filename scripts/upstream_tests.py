@@ -14,9 +14,12 @@ overlaid module, run per file against a stock site and an overlaid site, compare
   compare OUT --bundle DIR [--json FILE]   the per-file table over every file the bundle selects
                                            (none left out for lack of results), the regressions,
                                            "N regressions"
+  forget  OUT --files PATH...              drop these files' results on both sides (run.json
+                                           entries, junit, logs, records): the next run runs
+                                           them afresh
   gate    --bundle DIR --out OUT --stock-site DIR --overlay-site DIR [--python EXE] [--jobs 2]
-                                           run both sides (interleaved by file, --jobs at once),
-                                           then compare
+          [--shards N]                     run both sides (interleaved by file, --jobs at once,
+                                           each file in --shards processes), then compare
 
 The rule: no test that passes on stock may fail, error, be skipped or go missing on the overlay,
 no test stock skips may fail or go missing there, and no test only the overlay has may fail. A
@@ -106,7 +109,8 @@ def _finish(runs: dict, out: Path) -> int:
 def cmd_run(args) -> int:
     bundle = ut.load_bundle(args.bundle)
     site = _site(args.side, args.python, args.site, args.libs)
-    runs = ut.run_tasks(bundle, [site], args.out, args.timeout, args.files, args.jobs, args.deadline_s, say)
+    runs = ut.run_tasks(bundle, [site], args.out, args.timeout, args.files, args.jobs, args.deadline_s, say,
+                        args.shards)
     expected = {s["path"] for s in bundle.selected if not args.files or s["path"] in args.files}
     missing = expected - set(runs[args.side]["files"])
     if missing:
@@ -127,11 +131,18 @@ def cmd_compare(args) -> int:
     return report_comparison(args.out, ut.load_bundle(args.bundle), args.files, args.json)
 
 
+def cmd_forget(args) -> int:
+    removed = ut.forget_files(args.out, args.files)
+    say(f"forgot {', '.join(args.files)} on both sides of {args.out} ({len(removed)} files removed); the next run "
+        "runs them afresh")
+    return OK
+
+
 def cmd_gate(args) -> int:
     bundle = ut.load_bundle(args.bundle)
     sites = [_site("stock", args.python, args.stock_site, args.libs),
              _site("overlay", args.python, args.overlay_site, args.libs)]
-    ut.run_tasks(bundle, sites, args.out, args.timeout, args.files, args.jobs, args.deadline_s, say)
+    ut.run_tasks(bundle, sites, args.out, args.timeout, args.files, args.jobs, args.deadline_s, say, args.shards)
     return report_comparison(args.out, bundle, args.files, args.json)
 
 
@@ -146,6 +157,8 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
                         "had the whole part, its outcome `timeout`")
     parser.add_argument("--deadline-s", type=float, help="start no file after this many seconds (resume later)")
     parser.add_argument("--jobs", type=int, default=1, help="test files run at once (default 1)")
+    parser.add_argument("--shards", type=int, default=1, help="pytest processes a file runs in at once, each a share of "
+                        "its tests by node id (default 1); a file begun in N shards resumes in N")
     parser.add_argument("--files", nargs="+", metavar="PATH", help="only these selected files (tests/...py)")
 
 
@@ -176,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--files", nargs="+", metavar="PATH", help="only these selected files (tests/...py)")
     compare.add_argument("--json", type=Path, help="also write the comparison as JSON")
     compare.set_defaults(run=cmd_compare)
+    forget = commands.add_parser("forget", help="drop some files' results on both sides (to run them afresh)")
+    forget.add_argument("out", type=Path)
+    forget.add_argument("--files", nargs="+", metavar="PATH", required=True, help="files with a result (tests/...py)")
+    forget.set_defaults(run=cmd_forget)
     gate = commands.add_parser("gate", help="run both sides, then compare")
     _run_options(gate)
     gate.add_argument("--stock-site", type=Path, help="stock vLLM's `pip install --target` directory")

@@ -452,10 +452,11 @@ def gate(tmp_path):
     return {"bundle": root, "stock": stock, "overlay": overlay, "out": tmp_path / "out", "run": run}
 
 
-def test_the_gate_runs_each_file_on_both_sites_and_counts_the_regressions(gate):
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-process", "in-shards"])
+def test_the_gate_runs_each_file_on_both_sites_and_counts_the_regressions(gate, shards):
     code, output = gate["run"]("gate", "--bundle", str(gate["bundle"]), "--out", str(gate["out"]),
                                "--stock-site", str(gate["stock"]), "--overlay-site", str(gate["overlay"]),
-                               "--timeout", "10", "--jobs", "2")
+                               "--timeout", "10", "--jobs", "2", "--shards", str(shards))
     assert code == 1, output
     for line in ("tests/test_gate.py::test_broken_by_the_overlay: passed -> failed",
                  "tests/test_gate.py::test_skipped_on_stock_fails_on_the_overlay: skipped -> failed",
@@ -469,7 +470,8 @@ def test_the_gate_runs_each_file_on_both_sites_and_counts_the_regressions(gate):
     assert overlay_run["files"]["tests/test_slow.py"]["status"] == "ran"
     assert overlay_run["files"]["tests/test_slow.py"]["parts"] == 2
     assert overlay_run["site"]["receipt"] is True and overlay_run["site"]["vllm_version"] == "0.33.0"
-    assert (gate["out"] / "stock" / "logs" / "tests__test_gate.log").read_text().count("passed") >= 1
+    logs = list((gate["out"] / "stock" / "logs").glob("tests__test_gate*.log"))
+    assert len(logs) == shards and sum(log.read_text().count("passed") for log in logs) >= 1
     assert not list(gate["bundle"].rglob("__pycache__"))  # the bundle stays as written
 
 
@@ -489,13 +491,15 @@ def test_a_run_resumes_and_refuses_results_of_another_bundle_or_site(gate, tmp_p
     assert code == 2 and "results of another site" in output, output
 
 
+# The test files' header: begun(name) writes a marker and says whether the test began before.
+BEGUN = ("import os, time\nimport pytest\nimport vllm.mod\n\n"
+         "def begun(name):\n    path = os.path.join(os.environ['PARTS_MARKERS'], name)\n"
+         "    seen = os.path.exists(path)\n    open(path, 'a').write('x')\n    return seen\n\n")
 # Each test writes a marker when it begins; test_hangs_once hangs in its first part only.
 PARTED = {
     "tests/__init__.py": "",
     "tests/test_parts.py": (
-        "import os, time\nimport pytest\nimport vllm.mod\n\n"
-        "def begun(name):\n    path = os.path.join(os.environ['PARTS_MARKERS'], name)\n"
-        "    seen = os.path.exists(path)\n    open(path, 'a').write('x')\n    return seen\n\n"
+        BEGUN +
         "def test_first():\n    begun('first')\n\n"
         "def test_hangs_once():\n    if not begun('hangs_once'):\n        time.sleep(60)\n\n"
         "@pytest.mark.parametrize('n', [1, 2])\ndef test_after(n):\n    begun(f'after{n}')\n\n"
@@ -504,14 +508,18 @@ PARTED = {
 }
 
 
-def test_a_file_longer_than_its_timeout_ends_in_parts_each_test_once(tmp_path, monkeypatch):
+def run_marked(tmp_path: Path, monkeypatch, files: dict[str, str], timeout: float, **options):
+    """Run `files` on a stock site; returns the runs, the results' folder and how often each test began."""
     markers = tmp_path / "markers"
     markers.mkdir()
     monkeypatch.setenv("PARTS_MARKERS", str(markers))
-    root = bundle(tmp_path, PARTED, ("vllm.mod",))
-    stock, out = site(tmp_path / "stock", STOCK_MOD), tmp_path / "out"
-    runs = ut.run_tasks(ut.load_bundle(root), [ut.Site("stock", sys.executable, stock)], out, timeout=6,
-                        report=lambda line: None)
+    root, stock, out = bundle(tmp_path, files, ("vllm.mod",)), site(tmp_path / "stock", STOCK_MOD), tmp_path / "out"
+    runs = ut.run_tasks(ut.load_bundle(root), [ut.Site("stock", sys.executable, stock)], out, timeout, **options)
+    return runs, out, {m.name: len(m.read_text()) for m in markers.iterdir()}
+
+
+def test_a_file_longer_than_its_timeout_ends_in_parts_each_test_once(tmp_path, monkeypatch):
+    runs, out, begun = run_marked(tmp_path, monkeypatch, PARTED, 6, report=lambda line: None)
     result = runs["stock"]["files"]["tests/test_parts.py"]
     # part 1: first, then killed in hangs_once (rerun); part 2: hangs_once, after[1], after[2],
     # killed in hangs_always (rerun); part 3: hangs_always alone, its timeout; part 4: last.
@@ -522,8 +530,51 @@ def test_a_file_longer_than_its_timeout_ends_in_parts_each_test_once(tmp_path, m
                                  f"{test}test_after[1]": "passed", f"{test}test_after[2]": "passed",
                                  f"{test}test_hangs_always": "timeout", f"{test}test_last": "failed"}
     assert len(progress.collected) == 6
-    begun = {m.name: len(m.read_text()) for m in markers.iterdir()}  # how often each test began
     assert begun == {"first": 1, "hangs_once": 2, "after1": 1, "after2": 1, "hangs_always": 2, "last": 1}
+
+
+SHARDED = {
+    "tests/__init__.py": "",
+    "tests/test_shards.py": (
+        BEGUN +
+        "@pytest.mark.parametrize('n', range(8))\ndef test_n(n):\n    begun(f'n{n}')\n\n"
+        "def test_hangs_once():\n    if not begun('hangs_once'):\n        time.sleep(60)\n"),
+}
+
+
+def test_a_file_in_shards_runs_each_test_once_in_one_shard_and_resumes_only_the_unfinished(tmp_path, monkeypatch):
+    lines: list[str] = []
+    runs, out, begun = run_marked(tmp_path, monkeypatch, SHARDED, 8, report=lines.append, shards=3)
+    path = "tests/test_shards.py"
+    result = runs["stock"]["files"][path]
+    assert (result["status"], result["shards"], result["parts"]) == ("ran", ["ran"] * 3, 2), result
+    tests = {f"{path}::test_n[{n}]" for n in range(8)} | {f"{path}::test_hangs_once"}
+    shards = [ut.Shard(i, 3) for i in range(3)]
+    progress = [ut.read_record(ut.record_path(out / "stock", path, shard), path) for shard in shards]
+    assert [p.parts for p in progress].count(2) == 1  # the shard of hangs_once alone took a second part
+    collected = [set(p.collected) for p in progress]
+    assert set().union(*collected) == tests and sum(map(len, collected)) == len(tests)  # a partition
+    assert ut.file_outcomes(out, "stock", path, result) == {t: "passed" for t in tests}
+    assert begun == {**{f"n{n}": 1 for n in range(8)}, "hangs_once": 2}, begun
+    assert len(lines) == 2 and "partial" in lines[0] and "ran" in lines[1], lines
+
+
+def test_a_file_begun_in_shards_resumes_only_in_as_many(tmp_path):
+    root = bundle(tmp_path, SHARDED, ("vllm.mod",))
+    stock, out = site(tmp_path / "stock", STOCK_MOD), tmp_path / "out"
+    run = {"schema": ut.RUN_SCHEMA, "side": "stock", "bundle_sha256": ut.load_bundle(root).sha256, "site": None,
+           "files": {"tests/test_shards.py": {"status": "partial", "seconds": 1.0, "exit_code": None, "reason": "",
+                                              "parts": 1, "shards": ["ran", "partial"]}}}
+    (out / "stock").mkdir(parents=True)
+    (out / "stock" / ut.RUN_FILE).write_text(json.dumps(run))
+    with pytest.raises(ut.UpstreamTestsError, match=r"begun in 2 shard\(s\), this run asks for 3; resume it with "
+                       r"--shards 2"):
+        ut.run_tasks(ut.load_bundle(root), [ut.Site("stock", sys.executable, stock)], out, 8, report=print, shards=3)
+    assert not (out / "stock" / "records").exists()  # refused before any file ran
+    run["files"]["tests/test_shards.py"]["shards"] = ["ran"]
+    (out / "stock" / ut.RUN_FILE).write_text(json.dumps(run))
+    with pytest.raises(ut.UpstreamTestsError, match=r"has shards \['ran'\]; expected each shard's status"):
+        ut.load_run(out, "stock")
 
 
 def test_the_parts_outcomes_are_what_compare_reads(tmp_path):
@@ -543,6 +594,39 @@ def test_the_parts_outcomes_are_what_compare_reads(tmp_path):
     code, output = compare(tmp_path)
     assert code == 1 and "tests/test_a.py::slow: passed -> timeout" in output, output
     assert re.search(r"tests/test_a\.py +2 +0 +0 +1 +1 +0  1 regression\(s\)", output), output
+
+
+def test_forget_drops_only_the_named_files_results_on_both_sides(tmp_path):
+    selecting(tmp_path, "tests/test_a.py", "tests/test_a_b.py")
+    for side, receipt in (("stock", False), ("overlay", True)):
+        results(tmp_path, side, {"tests/test_a.py": [("ok", "passed")], "tests/test_a_b.py": [("ok", "passed")]}, receipt)
+        for name in ("records/tests__test_a.shard1of2.jsonl", "logs/tests__test_a.log", "records/tests__test_a_b.jsonl"):
+            (tmp_path / side / name).parent.mkdir(exist_ok=True)
+            (tmp_path / side / name).write_text("{}\n")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("kept")
+    (tmp_path / "stock" / "records" / "tests__test_a.jsonl").symlink_to(outside)
+    done = subprocess.run([sys.executable, str(SCRIPT), "forget", str(tmp_path), "--files", "tests/test_a.py"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and "7 files removed" in done.stderr, done.stdout + done.stderr
+    left = sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*") if f.is_file() and "bundle" not in f.parts)
+    assert left == ["outside.txt", "overlay/junit/tests__test_a_b.xml", "overlay/records/tests__test_a_b.jsonl",
+                    "overlay/run.json", "stock/junit/tests__test_a_b.xml", "stock/records/tests__test_a_b.jsonl",
+                    "stock/run.json"], left
+    assert set(ut.load_run(tmp_path, "stock")["files"]) == {"tests/test_a_b.py"}
+    code, output = compare(tmp_path)
+    assert code == status.INCOMPLETE and "tests/test_a.py [stock] not run" in output, output
+    done = subprocess.run([sys.executable, str(SCRIPT), "forget", str(tmp_path), "--files", "tests/test_a.py"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "no result on either side for tests/test_a.py" in done.stdout + done.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "tests__test_a_b.log").write_text("not ours")
+    (tmp_path / "overlay" / "logs").rmdir()  # empty now
+    (tmp_path / "overlay" / "logs").symlink_to(elsewhere)
+    with pytest.raises(ut.UpstreamTestsError, match=r"overlay/logs: a symlink \(to .*elsewhere\); expected a folder"):
+        ut.forget_files(tmp_path, ["tests/test_a_b.py"])
+    assert (elsewhere / "tests__test_a_b.log").exists() and set(ut.load_run(tmp_path, "stock")["files"])
 
 
 @pytest.mark.parametrize("line, why", [

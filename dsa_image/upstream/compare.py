@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dsa_image.upstream.bundle import Bundle
 from dsa_image.upstream.recorder import ERROR, FAILED, PASSED, SKIPPED
-from dsa_image.upstream.run import CRASHED, SIDES, TIMEOUT, junit_name, load_run, read_record, record_path
+from dsa_image.upstream.run import CRASHED, SIDES, TIMEOUT, file_record_outcomes, junit_name, load_run
 from dsa_image.upstream.selection import UpstreamTestsError
 
 MISSING = "missing"
@@ -88,11 +88,11 @@ def is_regression(stock: str, overlay: str) -> bool:
 
 def file_outcomes(out: Path, side: str, path: str, result: dict) -> dict[str, str]:
     """{node id: outcome} of a file's finished run on one side: its junit XML, or for a file run
-    in parts its record (each part's junit holds only that part's tests)."""
+    in parts or shards its records (each part's junit holds only that part's tests)."""
     if result.get("status") != "ran":
         return {}
-    if result.get("parts"):
-        return read_record(record_path(out / side, path), path).outcomes
+    if result.get("parts") or result.get("shards"):
+        return file_record_outcomes(out / side, path, len(result.get("shards", ())) or 1)
     return junit_outcomes(out / side / "junit" / junit_name(path), path)
 
 

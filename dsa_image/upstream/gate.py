@@ -15,7 +15,8 @@ dsa_image.core.wheels) ships vLLM's `tests/`. From it, one stage per module:
   site, junit XML per file, a timeout per file; a file whose import needs a module the site
   lacks is not run, and the result says which. `dsa_image.upstream.recorder`, a plugin in each
   of those processes, records every test as it ends, so a file longer than its timeout goes on
-  in parts (deselecting what finished), across calls.
+  in parts (deselecting what finished), across calls, and a file of many slow tests can run in
+  shards, processes at once that share its tests out by node id.
 * **compare** (`dsa_image.upstream.compare`): a stock run and an overlaid run of the same
   bundle, test by test. The rule: no test that passes (or is skipped) on stock may fail,
   error, be skipped (if it passed) or be missing on the overlay; a test failing on both is
@@ -28,8 +29,8 @@ the stage that defines each. Stdlib only (it runs in a bare build stage and agai
 from __future__ import annotations
 
 from dsa_image.upstream.bundle import Bundle, lib_requirements, load_bundle, make_bundle, pinned_sdist, read_sdist, selection_doc, write_bundle
-from dsa_image.upstream.compare import compare_runs, comparison_doc, format_comparison, is_regression, junit_outcomes, node_id
-from dsa_image.upstream.run import CRASHED, RUN_FILE, RUN_SCHEMA, SIDES, TIMEOUT, Progress, Site, junit_name, read_record, record_path, run_tasks
+from dsa_image.upstream.compare import compare_runs, comparison_doc, file_outcomes, format_comparison, is_regression, junit_outcomes, node_id
+from dsa_image.upstream.run import CRASHED, RUN_FILE, RUN_SCHEMA, SIDES, TIMEOUT, Progress, Shard, Site, forget_files, junit_name, load_run, read_record, record_path, run_tasks
 from dsa_image.upstream.selection import Selected, Selection, UpstreamTestsError, UpstreamTree, loads_module, overlaid_modules, select
 
 __all__ = [
@@ -39,8 +40,9 @@ __all__ = [
     "Bundle", "lib_requirements", "load_bundle", "make_bundle", "pinned_sdist", "read_sdist", "selection_doc",
     "write_bundle",
     # run
-    "CRASHED", "RUN_FILE", "RUN_SCHEMA", "SIDES", "TIMEOUT", "Progress", "Site", "junit_name", "read_record",
-    "record_path", "run_tasks",
+    "CRASHED", "RUN_FILE", "RUN_SCHEMA", "SIDES", "TIMEOUT", "Progress", "Shard", "Site", "forget_files", "junit_name",
+    "load_run",
+    "read_record", "record_path", "run_tasks",
     # compare
-    "compare_runs", "comparison_doc", "format_comparison", "is_regression", "junit_outcomes", "node_id",
+    "compare_runs", "comparison_doc", "file_outcomes", "format_comparison", "is_regression", "junit_outcomes", "node_id",
 ]

@@ -5,12 +5,17 @@ one file can take as many runs (parts) as its tests need, across calls.
 
 The record is JSON lines appended to one file per test file and side:
 
-  {"collected": [node id, ...]}        each run's whole collection, before deselection
+  {"collected": [node id, ...]}        each run's whole collection (its shard's), before the
+                                       finished tests are deselected
   {"start": node id}                   a test began (its setup)
   {"done": node id, "outcome": "..."}  it ended (after its teardown): passed, failed, error, skipped
 
 Outcomes are junit's, as `compare.junit_outcomes` reads them: a failed setup or teardown is an
 error, a failed call is failed (also with a failed teardown), an xfail is skipped.
+
+A file run in shards runs one process a shard; each takes the tests whose node id hashes to it
+(`in_shard`: by name, so a test's shard does not depend on the collection's order) and keeps a
+record of its own.
 
 This file's text runs as the process's `-c` program (`program()`), so it imports nothing of ours,
 and pytest only inside `main`: the tool that reads it runs where no pytest is installed.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zlib
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 OUTCOMES = (PASSED, FAILED, ERROR, SKIPPED)
@@ -38,9 +44,14 @@ def outcome_after(current: str | None, when: str, report_outcome: str) -> str | 
     return current
 
 
+def in_shard(nodeid: str, index: int, count: int) -> bool:
+    """Whether the test `nodeid` is shard `index`'s (from 0) of `count`."""
+    return zlib.crc32(nodeid.encode()) % count == index
+
+
 class Recorder:
-    def __init__(self, record, done: set[str]):
-        self.record, self.done = record, done
+    def __init__(self, record, done: set[str], shard: tuple[int, int] = (0, 1)):
+        self.record, self.done, self.shard = record, done, shard
         self.outcomes: dict[str, str | None] = {}
 
     def write(self, doc: dict) -> None:
@@ -48,11 +59,13 @@ class Recorder:
         self.record.flush()  # the next line may never come: a kill, a crash
 
     def pytest_collection_modifyitems(self, config, items):
-        self.write({"collected": [item.nodeid for item in items]})
-        finished = [item for item in items if item.nodeid in self.done]
-        if finished:
-            config.hook.pytest_deselected(items=finished)
-            items[:] = [item for item in items if item.nodeid not in self.done]
+        mine = [item for item in items if in_shard(item.nodeid, *self.shard)]
+        self.write({"collected": [item.nodeid for item in mine]})
+        kept = [item for item in mine if item.nodeid not in self.done]
+        if len(kept) < len(items):
+            ids = {id(item) for item in kept}
+            config.hook.pytest_deselected(items=[item for item in items if id(item) not in ids])
+            items[:] = kept
 
     def pytest_runtest_logstart(self, nodeid, location):
         self.write({"start": nodeid})
@@ -66,8 +79,10 @@ class Recorder:
 
 def main(argv: list[str]) -> int:
     """argv: the libs to append to sys.path (JSON), the record to append to, the node ids finished
-    in earlier parts (JSON file), then pytest's own arguments."""
-    libs, record_path, done_path, *args = argv
+    in earlier parts (JSON file), the shard ("index/count", "0/1": the whole file), then pytest's
+    own arguments."""
+    libs, record_path, done_path, shard, *args = argv
+    index, count = (int(n) for n in shard.split("/"))
     sys.path.extend(json.loads(libs))
     import pytest
 
@@ -76,7 +91,7 @@ def main(argv: list[str]) -> int:
     with open(record_path, "a", encoding="utf-8") as record:
         # Last among the collection hooks: upstream's conftests deselect and reorder first.
         pytest.hookimpl(trylast=True)(Recorder.pytest_collection_modifyitems)
-        return int(pytest.main(args, plugins=[Recorder(record, done)]))
+        return int(pytest.main(args, plugins=[Recorder(record, done, (index, count))]))
 
 
 def program() -> str:

@@ -9,12 +9,18 @@ finished, so the file is `partial` and its next run (a part) deselects what fini
 a kill or a crash caught is rerun in the next part, unless it had the whole part to itself (it
 is then that test's `timeout`) or the process crashed under it (`crashed`): every part
 finishes a test or ends the file, so a file of any length ends in parts, across calls.
+
+A file of many slow tests can also run in shards: `shards` pytest processes at once on the one
+side, each taking the tests whose node id hashes to it (`recorder.in_shard`), each with its own
+record, junit and log, the whole file's timeout shared. A shard that ran to its end is not run
+again; the others resume in the next part. The file has a result when every shard has one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -74,9 +80,11 @@ class Site:
         return env
 
 
-def junit_name(path: str) -> str:
-    """A result file name for a test file: tests/v1/x.py -> tests__v1__x.xml."""
-    return path.removesuffix(".py").replace("/", "__") + ".xml"
+def junit_name(path: str, shard: Shard | None = None) -> str:
+    """A result file name for a test file: tests/v1/x.py -> tests__v1__x.xml; its shard 2 of 4,
+    tests__v1__x.shard2of4.xml."""
+    stem = path.removesuffix(".py").replace("/", "__")
+    return f"{stem}.shard{shard.index + 1}of{shard.count}.xml" if shard else f"{stem}.xml"
 
 
 def probe_site(site: Site, bundle: Bundle, needs: list[str], timeout: float = 300) -> dict:
@@ -103,27 +111,60 @@ def probe_site(site: Site, bundle: Bundle, needs: list[str], timeout: float = 30
 
 
 @dataclass(frozen=True)
+class Shard:
+    """Shard `index` (from 0) of a file run in `count` at once."""
+
+    index: int
+    count: int
+
+    @property
+    def spec(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def shards_of(count: int) -> list[Shard | None]:
+    """A file's shards: [None] for a file run in one process."""
+    return [Shard(i, count) for i in range(count)] if count > 1 else [None]
+
+
+@dataclass(frozen=True)
 class FileResult:
     """One test file's run on one side. status: ran (junit written; with `parts`, in that many
     runs, the outcomes in its record), partial (a part was killed or crashed after finishing
     tests: the next run resumes it), not-runnable (a module collection imports is missing),
-    timeout (killed before any test began), crashed (no junit and no test to blame)."""
+    timeout (killed before any test began), crashed (no junit and no test to blame). A file run
+    in shards has each shard's status in `shards`, and its outcomes in the shards' records."""
 
     status: str
     seconds: float
     exit_code: int | None = None
     reason: str = ""
     parts: int = 0  # 0: run whole, in one process; else the parts it took so far
+    shards: tuple[str, ...] = ()  # each shard's status; () for a file run in one process
 
     def doc(self) -> dict:
         doc = {"status": self.status, "seconds": round(self.seconds, 1), "exit_code": self.exit_code,
                "reason": self.reason}
-        return {**doc, "parts": self.parts} if self.parts else doc
+        doc = {**doc, "parts": self.parts} if self.parts else doc
+        return {**doc, "shards": list(self.shards)} if self.shards else doc
 
 
-def record_path(out: Path, path: str) -> Path:
-    """out/<side>/records/<name>.jsonl: what each of the file's tests did, over all its parts."""
-    return out / "records" / junit_name(path).replace(".xml", ".jsonl")
+def record_path(out: Path, path: str, shard: Shard | None = None) -> Path:
+    """out/<side>/records/<name>.jsonl: what each of the file's (or shard's) tests did, over all its parts."""
+    return out / "records" / junit_name(path, shard).replace(".xml", ".jsonl")
+
+
+def file_record_outcomes(out: Path, path: str, shards: int) -> dict[str, str]:
+    """{node id: outcome} over a file's records: its own, or each of its shards'."""
+    outcomes: dict[str, str] = {}
+    for shard in shards_of(shards):
+        found = read_record(record_path(out, path, shard), path).outcomes
+        if set(found) & set(outcomes):
+            raise UpstreamTestsError(f"{record_path(out, path, shard)}: tests another shard of {path} ran too "
+                                     f"({sorted(set(found) & set(outcomes))[0]}); remove its records and its entry in "
+                                     "run.json to run it again")
+        outcomes.update(found)
+    return outcomes
 
 
 @dataclass(frozen=True)
@@ -191,38 +232,83 @@ def _append(path: Path, doc: dict) -> None:
         f.write(json.dumps(doc) + "\n")
 
 
-def run_file(site: Site, bundle: Bundle, path: str, out: Path, timeout: float,
-             prior: dict | None = None) -> FileResult:
-    """One run (part) of `path` in its own pytest process against `site`: junit to out/junit/,
-    output to out/logs/, each test's outcome to its record. `prior`: the file's partial result,
-    which this part resumes; without it the file starts afresh."""
-    junit, record = out / "junit" / junit_name(path), record_path(out, path)
-    log = out / "logs" / junit_name(path).replace(".xml", ".log")
+@dataclass
+class _Launched:
+    shard: Shard | None
+    junit: Path
+    log: Path
+    record: Path
+    done: Path
+    process: subprocess.Popen
+
+
+def _launch(site: Site, bundle: Bundle, path: str, out: Path, resume: bool, shard: Shard | None) -> _Launched:
+    """Start one part of `path` (or of its shard): its junit and log afresh, its record afresh
+    unless it resumes, the tests its record has finished deselected."""
+    junit, record = out / "junit" / junit_name(path, shard), record_path(out, path, shard)
+    log = out / "logs" / junit_name(path, shard).replace(".xml", ".log")
     for p in (junit, log, record):
         p.parent.mkdir(parents=True, exist_ok=True)
-    for p in (junit, log) if prior else (junit, log, record):
+    for p in (junit, log) if resume else (junit, log, record):
         p.unlink(missing_ok=True)
     before = read_record(record, path)
-    part = before.parts + 1
-    _append(record, {"part": part})
+    _append(record, {"part": before.parts + 1})
     done = record.with_suffix(".done.json")
     write_atomic(done, json.dumps(sorted(before.outcomes)).encode())
     libs = json.dumps([str(p) for p in (*site.libs, bundle.root / LIBS)])
-    argv = [site.python, "-B", "-c", recorder.program(), libs, str(record.resolve()), str(done.resolve()), path,
-            "--rootdir", ".", "-p", "no:cacheprovider", f"--junitxml={junit}", "-q", "-rfE", "--color=no"]
-    started = time.monotonic()
+    argv = [site.python, "-B", "-c", recorder.program(), libs, str(record.resolve()), str(done.resolve()),
+            shard.spec if shard else "0/1", path, "--rootdir", ".", "-p", "no:cacheprovider", f"--junitxml={junit}",
+            "-q", "-rfE", "--color=no"]
     with open(log, "wb") as output:
         process = subprocess.Popen(argv, cwd=bundle.root, env=site.environment(dict(os.environ)),
                                    stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            _end_session(process)
-    done.unlink(missing_ok=True)
+    return _Launched(shard, junit, log, record, done, process)
+
+
+def _wait(launched: _Launched, until: float) -> int | None:
+    """The part's exit code, or None when it was still running at `until` (then killed)."""
+    try:
+        return launched.process.wait(timeout=max(0.0, until - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        _end_session(launched.process)
+        launched.done.unlink(missing_ok=True)
+
+
+def run_file(site: Site, bundle: Bundle, path: str, out: Path, timeout: float,
+             prior: dict | None = None, shards: int = 1) -> FileResult:
+    """One run (part) of `path` against `site`, in its own pytest process or in `shards` at once:
+    junit to out/junit/, output to out/logs/, each test's outcome to its record. `prior`: the
+    file's partial result, which this part resumes (its shards that ran are not run again);
+    without it the file starts afresh."""
+    states = list((prior or {}).get("shards") or ["partial"] * shards) if shards > 1 else ["partial"]
+    todo = [shard for shard, state in zip(shards_of(shards), states, strict=True) if state == "partial"]
+    started = time.monotonic()
+    launched = [_launch(site, bundle, path, out, prior is not None, shard) for shard in todo]
+    codes = [_wait(one, started + timeout) for one in launched]
     seconds = time.monotonic() - started + (prior or {}).get("seconds", 0.0)
-    return _part_result(read_record(record, path), record, log, junit, code, seconds, timeout)
+    results = [_part_result(read_record(one.record, path), one.record, one.log, one.junit, code, seconds, timeout)
+               for one, code in zip(launched, codes, strict=True)]
+    if shards == 1:
+        return results[0]
+    return _sharded_result(prior or {}, states, launched, results, seconds)
+
+
+def _sharded_result(prior: dict, states: list[str], launched: list[_Launched], results: list[FileResult],
+                    seconds: float) -> FileResult:
+    """A sharded file after a part: each shard's status (those not run keep theirs), and the
+    file's: crashed or timeout if a shard is, partial while one is, else ran."""
+    reasons = []
+    for one, result in zip(launched, results, strict=True):
+        assert one.shard is not None  # a sharded file's parts are its shards'
+        states[one.shard.index] = result.status
+        reasons += [f"shard {one.shard.spec}: {result.reason}"] if result.reason else []
+    status = next((s for s in ("crashed", "timeout", "partial") if s in states), "ran")
+    known = [c for c in (*(r.exit_code for r in results), prior.get("exit_code")) if c is not None]
+    parts = max([r.parts or 1 for r in results] + [prior.get("parts", 1)])
+    return FileResult(status, seconds, max(known) if known else None, "; ".join(reasons), parts if parts > 1 else 0,
+                      tuple(states))
 
 
 def _part_result(progress: Progress, record: Path, log: Path, junit: Path, code: int | None, seconds: float,
@@ -279,6 +365,9 @@ def load_run(out: Path, side: str, bundle_sha256: str | None = None) -> dict:
         parts = result.get("parts", 1)
         if not (isinstance(parts, int) and not isinstance(parts, bool) and parts > 0):
             raise UpstreamTestsError(f"{path}: files[{rel!r}] has parts {parts!r}; expected a count of runs")
+        shards = result.get("shards")
+        if "shards" in result and not (isinstance(shards, list) and len(shards) > 1 and all(s in STATUSES for s in shards)):
+            raise UpstreamTestsError(f"{path}: files[{rel!r}] has shards {shards!r}; expected each shard's status")
     if bundle_sha256 is not None and doc["bundle_sha256"] != bundle_sha256:
         raise UpstreamTestsError(f"{path}: results of another bundle (sha256 {doc['bundle_sha256']}, this one "
                                  f"{bundle_sha256}); use a new --out, or remove {out / side}")
@@ -290,6 +379,36 @@ def _save_run(out: Path, doc: dict) -> None:
     write_atomic(out / doc["side"] / RUN_FILE, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
 
 
+def _result_files(out: Path, path: str) -> list[Path]:
+    """What a run of `path` left in out/<side>/{junit,logs,records}: its own and its shards'."""
+    stem = re.escape(junit_name(path).removesuffix(".xml"))
+    name = re.compile(stem + r"(\.shard\d+of\d+)?\.(xml|log|jsonl|done\.json)")
+    folders = [out / d for d in ("junit", "logs", "records")]
+    linked = [f for f in (out, *folders) if f.is_symlink()]
+    if linked:  # what it lists it removes: never in a folder elsewhere
+        raise UpstreamTestsError(f"{linked[0]}: a symlink (to {os.readlink(linked[0])}); expected a folder of results")
+    return [f for d in folders if d.is_dir() for f in sorted(d.iterdir())
+            if name.fullmatch(f.name) and (f.is_symlink() or f.is_file())]
+
+
+def forget_files(out: Path, files: list[str]) -> list[Path]:
+    """Drop the results of `files` on both sides (run.json entries, junit, logs, records), so that
+    the next run runs them afresh. Each must have a result on a side; nothing changes otherwise.
+    Returns what it removed."""
+    runs = {side: load_run(out, side) for side in SIDES}
+    unknown = sorted(p for p in files if not any(p in r["files"] for r in runs.values()))
+    if unknown:
+        raise UpstreamTestsError(f"{out}: no result on either side for {', '.join(unknown)}; the files with one: "
+                                 f"{', '.join(sorted(set().union(*(r['files'] for r in runs.values()))))}")
+    removed = [f for side in SIDES for p in files for f in _result_files(out / side, p)]
+    for doc in runs.values():
+        doc["files"] = {p: r for p, r in doc["files"].items() if p not in files}
+        _save_run(out, doc)
+    for f in removed:
+        f.unlink()
+    return removed
+
+
 @dataclass(frozen=True)
 class Task:
     site: Site
@@ -297,11 +416,14 @@ class Task:
 
 
 def run_tasks(bundle: Bundle, sites: list[Site], out: Path, timeout: float, files: list[str] | None = None,
-              jobs: int = 1, deadline_s: float | None = None, report=print) -> dict[str, dict]:
+              jobs: int = 1, deadline_s: float | None = None, report=print, shards: int = 1) -> dict[str, dict]:
     """Run each selected file (or `files`) on each site, `jobs` at a time, interleaved by file (with
-    jobs=2 a file's stock and overlay runs go together). A file with a result in out/ already is
-    not run again, a partial one resumes; after `deadline_s` no file or part is started (the
-    next call resumes). Returns each side's run.json document."""
+    jobs=2 a file's stock and overlay runs go together), each in `shards` processes at once. A
+    file with a result in out/ already is not run again, a partial one resumes (in the shards it
+    began with); after `deadline_s` no file or part is started (the next call resumes). Returns
+    each side's run.json document."""
+    if shards < 1:
+        raise UpstreamTestsError(f"--shards {shards}: expected 1 (a file in one process) or more")
     selected = {s["path"]: s for s in bundle.selected}
     unknown = sorted(set(files or ()) - set(selected))
     if unknown:
@@ -328,12 +450,19 @@ def run_tasks(bundle: Bundle, sites: list[Site], out: Path, timeout: float, file
         _save_run(out, runs[site.side])
     tasks = [Task(site, path) for path in wanted for site in sites
              if runs[site.side]["files"].get(path, {"status": "partial"})["status"] == "partial"]
+    for task in tasks:
+        prior = runs[task.site.side]["files"].get(task.path)
+        begun = (len(prior.get("shards", ())) or 1) if prior else shards
+        if begun != shards:
+            raise UpstreamTestsError(f"{task.path} [{task.site.side}]: begun in {begun} shard(s), this run asks for "
+                                     f"{shards}; resume it with --shards {begun}, or remove its entry in "
+                                     f"{out / task.site.side / RUN_FILE} to run it afresh")
     started, lock = time.monotonic(), threading.Lock()
 
     def one(task: Task) -> None:
         prior = runs[task.site.side]["files"].get(task.path)
         while deadline_s is None or time.monotonic() - started <= deadline_s:  # a part at a time
-            result = run_file(task.site, bundle, task.path, out / task.site.side, timeout, prior)
+            result = run_file(task.site, bundle, task.path, out / task.site.side, timeout, prior, shards)
             with lock:
                 runs[task.site.side]["files"][task.path] = prior = result.doc()
                 _save_run(out, runs[task.site.side])

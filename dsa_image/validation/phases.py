@@ -307,7 +307,8 @@ def upstream(s: Session) -> int:
     the next call, whose gate runs what is left (its INCOMPLETE, the phase's too), then compares."""
     p, o = s.paths, s.opts
     bundle, out = upstream_bundle(s), p.results / "upstream-tests"
-    log(f"upstream's tests: stock vs overlay, file by file, {o.upstream_jobs} runs at once ({bundle})")
+    log(f"upstream's tests: stock vs overlay, file by file, {o.upstream_jobs} runs at once, "
+        f"{o.upstream_shards} shard(s) a run ({bundle})")
     out.mkdir(parents=True, exist_ok=True)
     # A file started at the gate's deadline may run its timeout: with less left than the two
     # together, both shrink alike, so that the last file still ends before the session's deadline.
@@ -317,6 +318,7 @@ def upstream(s: Session) -> int:
     log_path = p.results / "upstream-tests.log"
     status = s.python(p.repo / "scripts" / "upstream_tests.py", "gate", "--bundle", bundle, "--out", out, "--python",
                       sys.executable, "--stock-site", p.site_stock, "--overlay-site", p.site_overlay, "--jobs", str(o.upstream_jobs),
+                      "--shards", str(o.upstream_shards),
                       "--timeout", f"{timeout:.0f}", "--deadline-s", f"{deadline:.0f}", "--json", out / "compare.json",
                       log_path=out / "compare.txt", errors=log_path)
     with log_path.open("a") as f:

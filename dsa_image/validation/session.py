@@ -120,7 +120,8 @@ PHASES = {p.name: p for p in (
           "install alone: the two sites, verified, and the tiny GLM-5, no model info (a bench makes its own)",
           setup=True),
     Phase("upstream", (ph.need_sites, ph.need_upstream_bundle), _env((ph.upstream,)),
-          ("upstream_bundle", "upstream_timeout_s", "upstream_deadline_s", "upstream_jobs"), _s(180),
+          ("upstream_bundle", "upstream_timeout_s", "upstream_deadline_s", "upstream_jobs",
+           "upstream_shards"), _s(180),
           "vLLM's own tests that import an overlaid module (scripts/upstream_tests.py gate, docs/upstream-tests.md), "
           "each selected file on stock and on the overlay, two at once, compared test by test; a later call "
           f"resumes what is left (not finished: exit {INCOMPLETE})", collects=False),
@@ -223,6 +224,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     knobs.add_argument("--upstream-deadline-s", type=float, default=120, help="no test file or part starts after this")
     knobs.add_argument("--upstream-jobs", type=int, default=2, help="test-file runs at once on the one GPU (2: a "
                        "file's stock and overlay runs together; 6: three files at once)")
+    knobs.add_argument("--upstream-shards", type=int, default=1, help="pytest processes each of those runs is split "
+                       "into, a share of the file's tests each (a file begun in N resumes in N)")
     knobs.add_argument("--realwidth-modes", default=REALWIDTH_MODES[0],
                        help=f"realwidth-equiv's serving mode, one of {', '.join(REALWIDTH_MODES)} (two servers each)")
     opts = parser.parse_args(argv)
