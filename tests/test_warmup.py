@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -647,6 +648,13 @@ def test_warmstart_attributes_compilations_to_the_first_request_or_the_warmup(tm
     assert warm["ready_after_s"] >= warm["healthy_after_s"]
     assert cold["first_over_warm"] == pytest.approx(cold["first"]["latency_s"] / cold["warm_latency_s"], abs=0.01)
     assert isinstance(cold["goal_met"], bool) and len(cold["warm"]) == warmstart.WARM_REQUESTS
+    # The new-length probe comes after the judged requests; the fake compiles only on the first.
+    probe = cold["new_length"]
+    assert probe["tokens"] == warmstart.NEW_LENGTH_TOKENS != warmstart.FIRST_PROMPT_TOKENS
+    assert len(probe["warm"]) == warmstart.NEW_LENGTH_WARM and probe["compiled"] == []
+    assert probe["warm_latency_s"] == statistics.median(w["latency_s"] for w in probe["warm"])
+    assert probe["first_over_warm"] == round(probe["first"]["latency_s"] / probe["warm_latency_s"], 2)
+    assert "new length 3500: first x" in "\n".join(warmstart.summary_lines(doc))
     assert doc["steps"]["cold"]["empty_caches_at_start"] and not doc["steps"]["warm-warmup"]["empty_caches_at_start"]
     # The cold HOME is the image's: no compile cache, the model info the image ships.
     shipped = sorted(p.name for p in (tmp_path / "out" / "work" / "home-overlay" / ".cache" / "vllm" / "modelinfos").iterdir())

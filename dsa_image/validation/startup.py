@@ -180,7 +180,8 @@ def summary(doc: dict) -> list[str]:
         built = compiled["before_healthy"]["flashinfer_jit_builds"]
         lines.append(f"{name:<15} healthy {start['phases']['healthy_s']:6.1f} s  ready {start['phases']['ready_s']:6.1f} s  "
                      f"first/warm x{side['first_over_warm']}  FlashInfer built: {built or '-'}  "
-                     f"compiled after ready: {after_ready or '-'}  check: {start.get('precompile_check', {}).get('exit', '-')}")
+                     f"compiled after ready: {after_ready or '-'}  check: {start.get('precompile_check', {}).get('exit', '-')}"
+                     f"{warmstart.new_length_line(side)}")
     return lines
 
 

@@ -10,7 +10,8 @@ the warm-up when the step says so, then sends per side, one side at a time: one 
 3,000-token request (the first) and five more (warm). The Triton kernels vLLM's JIT monitor
 logs (verbose: every compile, with its key), the other runtimes' it logs (CuTeDSL, TileLang:
 vLLM 0.33.0), the DeepGEMM compiler runs and the FlashInfer JIT modules built are split into
-those before healthy, during the warm-up and during the first request.
+those before healthy, during the warm-up and during the first request. Then a probe, not
+judged: a first request of a new length (3,500 tokens) against three more of it.
 
     cold          empty caches, no warm-up        (what a first `docker run` did)
     cold-warmup   empty caches, then the warm-up  (a first run of the image)
@@ -66,6 +67,11 @@ STEPS = {  # name: (empty the caches first, run the warm-up)
 FIRST_PROMPT_TOKENS = 3000  # the smoke test's long prompt, the issue's first request
 MAX_TOKENS = 16
 WARM_REQUESTS = 5
+# After the warm ones, a length neither they nor the warm-up prefilled (2,049-2,056 and 4,096
+# tokens): its first request against its warm ones tells a cost paid once per new prefill
+# length (kernels picked and loaded for that shape) from one paid once after ready. Not judged.
+NEW_LENGTH_TOKENS = 3500
+NEW_LENGTH_WARM = 3
 GOAL_FACTOR = 2.0
 # DeepGEMM's compiler runs, printed with DG_JIT_PRINT_COMPILER_COMMAND=1: "Running NVCC command:
 # <cmd>" by vLLM 0.24.0's DeepGEMM, "Running command: <cmd>" by the deep_jit runtime of 0.33.0's
@@ -134,14 +140,26 @@ def cache_sizes(home: Path) -> dict:
     return sizes
 
 
-def request_3000(port: int, token_ids: list[int], key: str) -> dict:
-    prompt = model_prompt_ids(token_ids, FIRST_PROMPT_TOKENS, f"warmstart:{key}")
+def request(port: int, token_ids: list[int], key: str, tokens: int = FIRST_PROMPT_TOKENS) -> dict:
+    prompt = model_prompt_ids(token_ids, tokens, f"warmstart:{key}")
     sample = stream_completion(port, serving.SERVED_NAME, prompt, MAX_TOKENS)
     if sample.error:
-        raise RuntimeError(f"3,000-token request on port {port}: {sample.error}")
+        raise RuntimeError(f"{tokens:,}-token request on port {port}: {sample.error}")
     if (ttft := sample.ttft) is None:
-        raise RuntimeError(f"3,000-token request on port {port}: no token streamed")
+        raise RuntimeError(f"{tokens:,}-token request on port {port}: no token streamed")
     return {"latency_s": round(sample.end - sample.start, 4), "ttft_s": round(ttft, 4)}
+
+
+def new_length_probe(server: dict, step: str, token_ids: list[int]) -> dict:
+    """NEW_LENGTH_TOKENS' first request against its warm ones, and what compiled meanwhile."""
+    start = log_size(server)
+    key = f"{step}:{server['name']}:new-length"
+    first = request(server["port"], token_ids, f"{key}:first", NEW_LENGTH_TOKENS)
+    warm = [request(server["port"], token_ids, f"{key}:warm{i}", NEW_LENGTH_TOKENS) for i in range(NEW_LENGTH_WARM)]
+    median = statistics.median(w["latency_s"] for w in warm)
+    return {"tokens": NEW_LENGTH_TOKENS, "first": first, "warm": warm, "warm_latency_s": median,
+            "first_over_warm": round(first["latency_s"] / median, 2),
+            "compiled": compiled_names(compiled_between(server, start))}
 
 
 def measure_side(server: dict, step: str, run_warmup: bool, token_ids: list[int],
@@ -154,9 +172,10 @@ def measure_side(server: dict, step: str, run_warmup: bool, token_ids: list[int]
         report = warmup.warm(endpoint, warmup.Settings(), lambda line: None)
         result["warmup"] = {"seconds": report["seconds"], "steps": report["steps"]}
     ready_at = log_size(server)
-    result["first"] = request_3000(server["port"], token_ids, f"{step}:{server['name']}:first")
+    result["first"] = request(server["port"], token_ids, f"{step}:{server['name']}:first")
     first_done = log_size(server)
-    warm = [request_3000(server["port"], token_ids, f"{step}:{server['name']}:warm{i}") for i in range(WARM_REQUESTS)]
+    warm = [request(server["port"], token_ids, f"{step}:{server['name']}:warm{i}") for i in range(WARM_REQUESTS)]
+    warm_done = log_size(server)
     result["warm_latency_s"] = statistics.median(w["latency_s"] for w in warm)
     result["warm"] = warm
     result["first_over_warm"] = round(result["first"]["latency_s"] / result["warm_latency_s"], 2)
@@ -164,7 +183,8 @@ def measure_side(server: dict, step: str, run_warmup: bool, token_ids: list[int]
     result["compiled"] = {"before_healthy": compiled_between(server, 0, healthy_at),
                           "during_warmup": compiled_between(server, healthy_at, ready_at),
                           "during_first_request": compiled_between(server, ready_at, first_done),
-                          "during_warm_requests": compiled_between(server, first_done)}
+                          "during_warm_requests": compiled_between(server, first_done, warm_done)}
+    result["new_length"] = new_length_probe(server, step, token_ids)
     result["compiled_after_ready"] = sorted({*compiled_names(result["compiled"]["during_first_request"]),
                                              *compiled_names(result["compiled"]["during_warm_requests"])})
     return result
@@ -264,8 +284,17 @@ def summary_lines(doc: dict) -> list[str]:
                          f"x{r['first_over_warm']:<6} goal {'met' if r['goal_met'] else 'MISSED'}  "
                          f"FlashInfer built at start: {built or '-'}  "
                          f"compiled in first: {in_first or '-'}"
-                         f"{', DeepGEMM x%d' % compiled['deepgemm_nvcc_runs'] if compiled['deepgemm_nvcc_runs'] else ''}")
+                         f"{', DeepGEMM x%d' % compiled['deepgemm_nvcc_runs'] if compiled['deepgemm_nvcc_runs'] else ''}"
+                         f"{new_length_line(r)}")
     return lines
+
+
+def new_length_line(side: dict) -> str:
+    probe = side.get("new_length")  # absent from records made before the probe
+    if probe is None:
+        return ""
+    return (f"  new length {probe['tokens']}: first x{probe['first_over_warm']} its warm "
+            f"({probe['first']['latency_s']:.3f} s / {probe['warm_latency_s']:.3f} s), compiled: {probe['compiled'] or '-'}")
 
 
 def parse_args(argv):
