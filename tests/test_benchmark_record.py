@@ -1,5 +1,5 @@
 """The recorded benchmark and warm-start runs, re-read from their raw.tar.xz (the runs under
-docs/benchmarks and docs/validation/h200-2026-12-01-vllm0_33_0-run5): each follows the schema,
+docs/benchmarks, docs/validation/h200-2026-12-01-vllm0_33_0-run5 and the real-width run 10): each follows the schema,
 every ratio, interval and verdict follows from its rounds, and the records' tables are what the
 code makes of the results. Records are history: the receipts they ran against today's bake, and
 the figures the prose and README.md state, are the release check's (scripts/release_check.py).
@@ -21,7 +21,9 @@ BENCH_RUN = BENCHMARKS / "h200-2026-12-01-vllm0_33_0"
 RESULTS = [unpacked(BENCH_RUN) / "base" / "results.json", unpacked(BENCH_RUN) / "mtp-long" / "results.json"]
 BASES = BENCHMARKS / "h200-2026-12-01-vllm0_24_0-vs-vllm0_33_0"
 MTP2 = BENCHMARKS / "h200-2026-12-01-vllm0_33_0-mtp2"
-ALL_RESULTS = [*RESULTS, unpacked(BASES) / "results.json", unpacked(MTP2) / "results.json"]
+REALWIDTH = VALIDATION / "h200-2026-12-04-vllm0_33_0-run10"  # GLM-5 at real width, 4 layers
+REALWIDTH_RESULTS = unpacked(REALWIDTH) / "realwidth-bench" / "results.json"
+ALL_RESULTS = [*RESULTS, unpacked(BASES) / "results.json", unpacked(MTP2) / "results.json", REALWIDTH_RESULTS]
 RUN5 = VALIDATION / "h200-2026-12-01-vllm0_33_0-run5"
 
 
@@ -73,7 +75,7 @@ def test_every_verdict_of_the_first_run_is_within_interval():
 
 
 def test_both_builds_are_the_default_base_and_only_b_carries_an_overlay():
-    for doc in _docs():
+    for doc in [*_docs(), report.load_results(REALWIDTH_RESULTS)]:
         a, b = (doc["environment"]["builds"][side] for side in schedule.SIDES)
         assert (a["name"], b["name"]) == ("stock", "overlay")
         assert a["versions"]["vllm"] == b["versions"]["vllm"] == "0.33.0"
@@ -85,7 +87,8 @@ def test_both_builds_are_the_default_base_and_only_b_carries_an_overlay():
 
 
 @pytest.mark.parametrize("record, paths", [pytest.param(record, paths, id=record.name) for record, paths in (
-    (BENCH_RUN, RESULTS), (BASES, [unpacked(BASES) / "results.json"]), (MTP2, [unpacked(MTP2) / "results.json"]))])
+    (BENCH_RUN, RESULTS), (BASES, [unpacked(BASES) / "results.json"]), (MTP2, [unpacked(MTP2) / "results.json"]),
+    (REALWIDTH, [REALWIDTH_RESULTS]))])
 def test_each_record_shows_the_tables_the_results_give(record, paths):
     docs = [report.load_results(path) for path in paths]
     text = _lines(record / "README.md")
@@ -130,7 +133,7 @@ def _unrecorded_requests(doc: dict, group: str) -> set[int]:
 
 
 @pytest.mark.parametrize("path, log", [
-    pytest.param(path, log, id=str(log.relative_to(unpacked(BENCH_RUN).parent)))
+    pytest.param(path, log, id=str(log.relative_to(unpacked(BENCH_RUN).parents[1])))
     for path in ALL_RESULTS for log in sorted(path.parent.glob("server-*.log"))])
 def test_no_compilation_fell_in_a_measured_round(path, log):
     # The first benchmark's JITs all came after request 92 (the first c=8 workload's warm-up round
@@ -249,3 +252,10 @@ def test_the_lean_at_concurrency_8_is_the_rounds():
     assert 0.815 <= min(r["ratios"]["output_tok_s"] for r in low) and max(r["ratios"]["output_tok_s"] for r in low) < 0.865
     assert 0.955 <= min(r["ratios"]["output_tok_s"] for r in high) and max(r["ratios"]["output_tok_s"] for r in high) < 1.155
     assert 1.205 <= min(r["ratios"]["tpot_s"] for r in low) and max(r["ratios"]["tpot_s"] for r in low) < 1.265
+
+
+def test_the_real_width_benchmark_found_no_difference_and_equal_texts():
+    # Run 10: every interval holds 1, and every prompt gave both builds the same greedy text.
+    doc = report.load_results(REALWIDTH_RESULTS)
+    assert {s["verdict"] for w in doc["workloads"] for s in w["summary"].values()} == {"within interval"}
+    assert all(w["texts"]["equal"] == w["texts"]["compared"] > 0 for w in doc["workloads"])
