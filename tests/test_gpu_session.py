@@ -427,7 +427,9 @@ def test_a_phase_without_the_sites_is_refused_naming_the_phase_that_makes_them(t
 
 
 def test_the_environment_record_names_the_settings_the_session_ran_with():
+    from dsa_image.harness import server as serving
+
     env = {"CUDA_MODULE_LOADING": "EAGER", "VLLM_USE_BREAKABLE_CUDAGRAPH": "0", "HOME": "/root", "PATH": "/bin",
            "XCUDA_Y": "1"}
-    assert phases.settings_set(env) == ["CUDA_MODULE_LOADING=EAGER", "VLLM_USE_BREAKABLE_CUDAGRAPH=0"]
-    assert phases.settings_set({"HOME": "/root"}) == []
+    assert serving.settings_set(env) == ["CUDA_MODULE_LOADING=EAGER", "VLLM_USE_BREAKABLE_CUDAGRAPH=0"]
+    assert serving.settings_set({"HOME": "/root"}) == []

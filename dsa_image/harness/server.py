@@ -347,3 +347,13 @@ def _seconds_or_error(server: dict, outcome: health.Outcome) -> float | str:
     if outcome.settled is not None:
         return f"error: {outcome.settled}"
     return f"error: not healthy in time; see {Path(server['log']).name}"
+
+
+# Variables a session hands its servers that change what they run (CUDA_MODULE_LOADING=EAGER
+# stalled a real-width start: run 10), named in a session's environment.txt.
+SETTING_PREFIXES = ("CUDA_", "NCCL_", "VLLM_", "TORCH_", "PYTORCH_", "TRITON_", "DG_", "FLASHINFER_")
+
+
+def settings_set(env) -> list[str]:
+    """NAME=VALUE for each behaviour-changing variable set, sorted; paths (CUDA_HOME) included."""
+    return sorted(f"{k}={v}" for k, v in env.items() if k.startswith(SETTING_PREFIXES))

@@ -21,6 +21,7 @@ from typing import Callable
 
 from dsa_image.build import realwidth_model, tiny_model
 from dsa_image.core.recipe import load_recipe
+from dsa_image.harness import server as serving
 from dsa_image.validation import dist_copy, stage
 from dsa_image.validation.runner import FAILED, OK, REFUSED, Paths, Refused, Session, copy_out, log, matching, tail
 
@@ -135,16 +136,6 @@ def show_paths(s: Session) -> int:
     return OK
 
 
-# Variables the session hands its servers and tests that change what they run
-# (CUDA_MODULE_LOADING=EAGER stalled a real-width start: run 10), so a record shows them.
-SETTING_PREFIXES = ("CUDA_", "NCCL_", "VLLM_", "TORCH_", "PYTORCH_", "TRITON_", "DG_", "FLASHINFER_")
-
-
-def settings_set(env) -> list[str]:
-    """NAME=VALUE for each behaviour-changing variable set, sorted; paths (CUDA_HOME) included."""
-    return sorted(f"{k}={v}" for k, v in env.items() if k.startswith(SETTING_PREFIXES))
-
-
 def environment(s: Session) -> int:
     p, lines = s.paths, [f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%dT%H:%M:%SZ}"]
     try:
@@ -163,7 +154,7 @@ def environment(s: Session) -> int:
     # manifest (which hashes every overlaid file).
     digest = hashlib.sha256(p.manifest.read_bytes()).hexdigest() if p.manifest.is_file() else f"missing: {p.manifest}"
     lines.append(f"overlay manifest sha256 {digest}")
-    lines.append(f"settings: {' '.join(settings_set(os.environ)) or 'none'}")
+    lines.append(f"settings: {' '.join(serving.settings_set(os.environ)) or 'none'}")
     (p.results / "environment.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return OK
