@@ -150,15 +150,20 @@ def request(port: int, token_ids: list[int], key: str, tokens: int = FIRST_PROMP
     return {"latency_s": round(sample.end - sample.start, 4), "ttft_s": round(ttft, 4)}
 
 
+def first_against_warm(first: dict, warm: list[dict]) -> dict:
+    """A first request's timings beside its warm ones': their median latency and the ratio."""
+    median = statistics.median(w["latency_s"] for w in warm)
+    return {"first": first, "warm": warm, "warm_latency_s": median,
+            "first_over_warm": round(first["latency_s"] / median, 2)}
+
+
 def new_length_probe(server: dict, step: str, token_ids: list[int]) -> dict:
     """NEW_LENGTH_TOKENS' first request against its warm ones, and what compiled meanwhile."""
     start = log_size(server)
     key = f"{step}:{server['name']}:new-length"
     first = request(server["port"], token_ids, f"{key}:first", NEW_LENGTH_TOKENS)
     warm = [request(server["port"], token_ids, f"{key}:warm{i}", NEW_LENGTH_TOKENS) for i in range(NEW_LENGTH_WARM)]
-    median = statistics.median(w["latency_s"] for w in warm)
-    return {"tokens": NEW_LENGTH_TOKENS, "first": first, "warm": warm, "warm_latency_s": median,
-            "first_over_warm": round(first["latency_s"] / median, 2),
+    return {"tokens": NEW_LENGTH_TOKENS, **first_against_warm(first, warm),
             "compiled": compiled_names(compiled_between(server, start))}
 
 
@@ -172,13 +177,11 @@ def measure_side(server: dict, step: str, run_warmup: bool, token_ids: list[int]
         report = warmup.warm(endpoint, warmup.Settings(), lambda line: None)
         result["warmup"] = {"seconds": report["seconds"], "steps": report["steps"]}
     ready_at = log_size(server)
-    result["first"] = request(server["port"], token_ids, f"{step}:{server['name']}:first")
+    first = request(server["port"], token_ids, f"{step}:{server['name']}:first")
     first_done = log_size(server)
     warm = [request(server["port"], token_ids, f"{step}:{server['name']}:warm{i}") for i in range(WARM_REQUESTS)]
     warm_done = log_size(server)
-    result["warm_latency_s"] = statistics.median(w["latency_s"] for w in warm)
-    result["warm"] = warm
-    result["first_over_warm"] = round(result["first"]["latency_s"] / result["warm_latency_s"], 2)
+    result.update(first_against_warm(first, warm))
     result["goal_met"] = result["first"]["latency_s"] <= goal_factor * result["warm_latency_s"]
     result["compiled"] = {"before_healthy": compiled_between(server, 0, healthy_at),
                           "during_warmup": compiled_between(server, healthy_at, ready_at),
