@@ -15,6 +15,11 @@ spec-decode counters on /metrics, present only when speculative decoding is conf
 the log warns when there were none. A request answered HTTP 503 (vLLM 0.33.0: busy, try again)
 is sent again within the budget. Every request fits the max_model_len /v1/models reports.
 
+What no warm-up makes warm: a prefill past the CUDA graphs runs cuBLAS kernels picked for its
+exact token count, and some cost about 2 ms on their first use. On GLM-5's GEMM shapes that was
+9-15 ms at 3,000 tokens, paid again by later new lengths, and warming every 256 tokens did not
+remove it (docs/validation/h200-2026-12-06-gemm-first-use).
+
     python -m dsa_image.runtime.warmup supervise [--marker PATH] -- vllm serve MODEL [FLAGS...]
     python -m dsa_image.runtime.warmup run --url http://127.0.0.1:8000      # warm a running server
     python -m dsa_image.runtime.warmup check --pid PID                      # the marker check alone
