@@ -50,7 +50,9 @@ PROBE_LENGTHS = (3000, 3500, 3001, 2500, 5000, 7000)
 GRAPH_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 PROFILE_TOKENS = 8192
 DEFAULT_VARIANTS = ("", "CUDA_MODULE_LOADING=EAGER")
-EXCESS_MS = 0.5  # a first GEMM this much slower than its warm ones loaded something
+EXCESS_MS = 0.5  # a first GEMM this much slower than its warm ones is a slow first use ("loaded")
+# After a sweep, each probe length plus this is probed again: a length no call ran, beside one that did.
+AFTER_SWEEP_OFFSET = 3
 EXIT_CODES = status.epilog((status.SUCCESS, "measured"), (status.FAILED, "a variant's process failed"),
                            status.USAGE)
 
@@ -118,7 +120,7 @@ def measure(cfg: dict, probes: tuple[int, ...], sweep_step: int, warm_step: int 
     sweep = range(512, PROFILE_TOKENS + 1, sweep_step) if sweep_step else ()
     doc["kernels"] = _kernels(torch, gemm, list(dict.fromkeys([*warm, *probes, *sweep])))
     if sweep_step:  # after the sweep: do new lengths still pay?
-        doc["after_sweep"] = {str(m + 3): _probe(torch, gemm, m + 3) for m in probes}
+        doc["after_sweep"] = {str(m + AFTER_SWEEP_OFFSET): _probe(torch, gemm, m + AFTER_SWEEP_OFFSET) for m in probes}
     return doc
 
 
