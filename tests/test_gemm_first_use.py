@@ -4,10 +4,10 @@ variant's failure reported. The measurement itself needs a GPU (the H200 records
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
+from conftest import _has_nvidia_gpu
 
 from dsa_image.build.realwidth_model import facts
 from dsa_image.core import status
@@ -57,14 +57,7 @@ def test_a_variant_is_env_equals_value_or_empty():
         g.parse_args(["--out", "o", "--variant", "EAGER"])
 
 
-def _cuda() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-    return torch.cuda.is_available()
-
-
-@pytest.mark.skipif(_cuda(), reason="a GPU is here: the variant would measure, not fail")
+@pytest.mark.skipif(_has_nvidia_gpu(), reason="a GPU is here: the variant would measure, not fail")
 def test_a_variant_that_cannot_measure_is_recorded_and_fails_the_run(tmp_path, capsys):
     assert g.main(["--out", str(tmp_path), "--variant", "CUDA_MODULE_DATA_LOADING=EAGER", "--timeout", "120"]) \
         == status.FAILED

@@ -211,6 +211,11 @@ def slow_against_new(doc: dict, probes: tuple[int, ...]) -> dict[str, int]:
     return counts
 
 
+def _probe_line(label: str, m: str, p: dict) -> str:
+    return (f"  {label}M={m:>5}: first {p['first_ms']:7.2f} ms  warm {p['warm_ms']:7.2f} ms  "
+            f"excess {p['excess_ms']:6.2f} ms  loaded: {', '.join(p['loaded']) or '-'}")
+
+
 def summary(results: dict) -> list[str]:
     lines = []
     for variant, doc in results["variants"].items():
@@ -220,13 +225,9 @@ def summary(results: dict) -> list[str]:
             continue
         lines.append(f"{variant or 'default'}: torch {doc['torch']}, {doc['gpu']}; import and context "
                      f"{doc['import_and_context_s']} s, first cuBLAS call {doc['first_cublas_call_s']} s")
-        for m, p in doc["probes"].items():
-            lines.append(f"  M={m:>5}: first {p['first_ms']:7.2f} ms  warm {p['warm_ms']:7.2f} ms  "
-                         f"excess {p['excess_ms']:6.2f} ms  loaded: {', '.join(p['loaded']) or '-'}")
+        lines += [_probe_line("", m, p) for m, p in doc["probes"].items()]
+        lines += [_probe_line("after the sweep, ", m, p) for m, p in doc.get("after_sweep", {}).items()]
         probes = tuple(results["probes"])
-        for m, p in doc.get("after_sweep", {}).items():
-            lines.append(f"  after the sweep, M={m:>5}: first {p['first_ms']:7.2f} ms  warm {p['warm_ms']:7.2f} ms  "
-                         f"excess {p['excess_ms']:6.2f} ms  loaded: {', '.join(p['loaded']) or '-'}")
         for m, names in new_kernels(doc["kernels"], probes, doc.get("warm_lengths")).items():
             lines.append(f"  M={m:>5}: a kernel new to the process for: {', '.join(names) or '-'}")
         lines.append(f"  first calls, slow or not against new kernel or not: {slow_against_new(doc, probes)}")
@@ -272,15 +273,15 @@ def parse_args(argv):
 def main(argv=None) -> int:
     from dsa_image.build.realwidth_model import facts
 
-    args = parse_args(argv)
+    args, cfg = parse_args(argv), facts()
     if args.child:
-        Path(args.child).write_text(json.dumps(measure(facts(), args.probes, args.sweep_step, args.warm_step)) + "\n")
+        Path(args.child).write_text(json.dumps(measure(cfg, args.probes, args.sweep_step, args.warm_step)) + "\n")
         return status.SUCCESS
     Path(args.out).mkdir(parents=True, exist_ok=True)
     variants = args.variant if args.variant is not None else list(DEFAULT_VARIANTS)
     measured = {v: run_variant(i, v, args) for i, v in enumerate(variants)}
     results = {"probes": list(args.probes), "warm_lengths": warm_lengths(args.warm_step),
-               "gemm_shapes": gemm_shapes(facts()), "absorbed_shapes": absorbed_shapes(facts()),
+               "gemm_shapes": gemm_shapes(cfg), "absorbed_shapes": absorbed_shapes(cfg),
                "variants": measured}
     (Path(args.out) / "gemm-first-use.json").write_text(json.dumps(results, indent=1) + "\n")
     print("\n".join(summary(results)))
