@@ -64,3 +64,9 @@ def test_a_variant_that_cannot_measure_is_recorded_and_fails_the_run(tmp_path, c
     doc = json.loads((tmp_path / "gemm-first-use.json").read_text())
     assert doc["variants"]["CUDA_MODULE_DATA_LOADING=EAGER"]["error"].startswith("exit ")
     assert "CUDA_MODULE_DATA_LOADING=EAGER: exit" in capsys.readouterr().out
+
+
+def test_a_variant_that_outlives_its_timeout_is_recorded_and_fails_the_run(tmp_path):
+    assert g.main(["--out", str(tmp_path), "--variant", "", "--timeout", "0.01"]) == status.FAILED
+    doc = json.loads((tmp_path / "gemm-first-use.json").read_text())
+    assert doc["variants"][""] == {"error": "timed out after 0.01 s"}

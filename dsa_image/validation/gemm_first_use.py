@@ -244,7 +244,10 @@ def run_variant(index: int, variant: str, args) -> dict:
     out = Path(args.out) / f"variant-{index}.json"
     cmd = [sys.executable, "-m", "dsa_image.validation.gemm_first_use", "--out", args.out, "--child", str(out),
            "--sweep-step", str(args.sweep_step), "--warm-step", str(args.warm_step), "--probes", ",".join(map(str, args.probes))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:g} s"}
     if proc.returncode != 0 or not out.is_file():
         return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
     return json.loads(out.read_text())
