@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from dsa_image.upstream import compare as upstream_compare
 from dsa_image.upstream import run as upstream_run
 from record_files import VALIDATION, unpacked
 
@@ -154,7 +155,7 @@ def _sparse_outcomes(side: str) -> tuple[int, dict[str, str]]:
     collected = set()
     for shard in upstream_run.shards_of(shards):
         collected |= set(upstream_run.read_record(upstream_run.record_path(_results() / side, SPARSE, shard), SPARSE).collected)
-    return len(collected), upstream_run.file_record_outcomes(_results() / side, SPARSE, shards)
+    return len(collected), upstream_run.file_record_results(_results() / side, SPARSE, shards)[0]
 
 
 def test_the_half_run_files_progress_is_its_shards_records():
@@ -167,6 +168,12 @@ def test_the_half_run_files_progress_is_its_shards_records():
         words.append((len(found[side][1]), c["skipped"], c["failed"], c["passed"]))
     both = set(found["stock"][1]) & set(found["overlay"][1])
     assert both and all(found["stock"][1][t] == found["overlay"][1][t] for t in both)
+    # The gate's compare reads the same: the tests both sides finished, none a regression.
+    files = _compare()["files"][SPARSE]
+    so_far = upstream_compare.compare_file(SPARSE, _run("stock")["files"][SPARSE], _run("overlay")["files"][SPARSE],
+                                           _results())
+    assert (so_far.so_far, so_far.regressions, so_far.complete) == (len(both), [], False)
+    assert files["regressions"] == []
     (s, o) = words
     assert (f"of its {collected:,} tests, {s[0]} finished on stock ({s[1]} skipped, {s[2]} failed, {s[3]} passed) "
             f"and {o[0]} on the overlay ({o[1]}, {o[2]}, {o[3]})") in _flat()

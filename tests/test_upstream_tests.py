@@ -461,7 +461,7 @@ def test_the_gate_runs_each_file_on_both_sites_and_counts_the_regressions(gate, 
     for line in ("tests/test_gate.py::test_broken_by_the_overlay: passed -> failed",
                  "tests/test_gate.py::test_skipped_on_stock_fails_on_the_overlay: skipped -> failed",
                  "tests/test_slow.py::test_sleeps: passed -> timeout",
-                 "tests/test_gate.py::test_fails_on_both: failed -> failed"):
+                 "tests/test_gate.py::test_fails_on_both: failed -> failed  (assert False)"):
         assert line in output
     assert "tests/test_needs.py [stock] not-runnable: its collection imports a_module_no_site_has" in output
     assert "\n3 regressions\n" in output
@@ -530,6 +530,7 @@ def test_a_file_longer_than_its_timeout_ends_in_parts_each_test_once(tmp_path, m
                                  f"{test}test_after[1]": "passed", f"{test}test_after[2]": "passed",
                                  f"{test}test_hangs_always": "timeout", f"{test}test_last": "failed"}
     assert len(progress.collected) == 6
+    assert progress.reasons == {f"{test}test_last": "assert False"}
     assert begun == {"first": 1, "hangs_once": 2, "after1": 1, "after2": 1, "hangs_always": 2, "last": 1}
 
 
@@ -596,6 +597,58 @@ def test_the_parts_outcomes_are_what_compare_reads(tmp_path):
     assert re.search(r"tests/test_a\.py +2 +0 +0 +1 +1 +0  1 regression\(s\)", output), output
 
 
+def _partial(out: Path, side: str, path: str, done: dict[str, str], reasons: dict[str, str] | None = None) -> None:
+    """out/<side>: `path` partial after one part that finished the tests `done` ({name: outcome})."""
+    doc = json.loads((out / side / ut.RUN_FILE).read_text())
+    doc["files"][path] = {"status": "partial", "seconds": 1.0, "exit_code": None, "reason": "killed", "parts": 1}
+    (out / side / ut.RUN_FILE).write_text(json.dumps(doc))
+    lines = [{"part": 1}, {"collected": [f"{path}::{name}" for name in done] + [f"{path}::later"]}]
+    for name, outcome in done.items():
+        reason = (reasons or {}).get(name)
+        lines += [{"start": f"{path}::{name}"},
+                  {"done": f"{path}::{name}", "outcome": outcome, **({"reason": reason} if reason else {})}]
+    record = ut.record_path(out / side, path)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_a_side_still_running_a_file_is_incomplete_not_a_regression(tmp_path):
+    selecting(tmp_path, "tests/test_a.py")
+    results(tmp_path, "stock", {"tests/test_a.py": [("ok", "passed"), ("bad", "failed")]}, False)
+    results(tmp_path, "overlay", {}, True)
+    code, output = compare(tmp_path)
+    assert code == status.INCOMPLETE and output.rstrip().endswith("0 regressions"), output
+    _partial(tmp_path, "overlay", "tests/test_a.py", {"ok": "passed"})
+    code, output = compare(tmp_path)
+    assert code == status.INCOMPLETE and "missing" not in output, output
+    assert "tests/test_a.py: 1 tests finished on both sides so far, compared above" in output
+    assert json.loads((tmp_path / "c.json").read_text())["files"]["tests/test_a.py"]["so_far"] == 1
+
+
+def test_a_regression_among_the_tests_a_partial_file_finished_is_one_already(tmp_path):
+    selecting(tmp_path, "tests/test_a.py")
+    results(tmp_path, "stock", {}, False)
+    results(tmp_path, "overlay", {}, True)
+    _partial(tmp_path, "stock", "tests/test_a.py", {"ok": "passed", "both": "failed", "only_stock": "passed"},
+             {"both": "ValueError: no config"})
+    _partial(tmp_path, "overlay", "tests/test_a.py", {"ok": "failed", "both": "error"},
+             {"ok": "AssertionError: assert 2 == 3", "both": "ValueError: no config"})
+    code, output = compare(tmp_path)
+    assert code == 1 and output.rstrip().endswith("1 regression"), output
+    assert "tests/test_a.py::ok: passed -> failed  (AssertionError: assert 2 == 3)" in output
+    assert "tests/test_a.py::both: failed -> error  (ValueError: no config)" in output
+    assert "only_stock" not in output  # the overlay has not run it yet
+    doc = json.loads((tmp_path / "c.json").read_text())
+    assert doc["verdict"] == "regressions" and doc["files"]["tests/test_a.py"]["regressions"] == [
+        {"test": "tests/test_a.py::ok", "stock": "passed", "overlay": "failed", "reason": "AssertionError: assert 2 == 3"}]
+
+
+def test_junit_keeps_a_failures_message_as_its_reason(tmp_path):
+    junit(tmp_path / "a.xml", [("ok", "passed"), ("bad", "failed"), ("err", "error"), ("skip", "skipped")])
+    assert ut.junit_results(tmp_path / "a.xml", "tests/test_a.py")[1] == {"tests/test_a.py::bad": "x",
+                                                                          "tests/test_a.py::err": "x"}
+
+
 def test_forget_drops_only_the_named_files_results_on_both_sides(tmp_path):
     selecting(tmp_path, "tests/test_a.py", "tests/test_a_b.py")
     for side, receipt in (("stock", False), ("overlay", True)):
@@ -633,6 +686,8 @@ def test_forget_drops_only_the_named_files_results_on_both_sides(tmp_path):
     ('{"done": "tests/other.py::x", "outcome": "passed"}', "another file's test"),
     ('{"done": "tests/test_a.py::x", "outcome": "great"}', "an unknown outcome"),
     ('{"start": "tests/test_a.py::x", "extra": 1}', "a key too many"),
+    ('{"done": "tests/test_a.py::x", "outcome": "failed", "reason": 7}', "a reason that is no text"),
+    ('{"done": "tests/test_a.py::x", "outcome": "failed", "reason": "' + "x" * 501 + '"}', "a reason too long"),
     ('{"part": true}', "a part that is no count"),
     ('{"collected": "tests/test_a.py::x"}', "a collection that is no list"),
     ('not json', "not JSON"),

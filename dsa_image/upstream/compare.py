@@ -1,8 +1,11 @@
-"""Comparing the stock and overlaid runs of one bundle, test by test, from their junit XML.
+"""Comparing the stock and overlaid runs of one bundle, test by test, from their junit XML (or,
+for a file run in parts or shards, its records).
 
 The rule: no test that passes (or is skipped) on stock may fail, error, be skipped (if it
 passed) or be missing on the overlay; a test failing on both is listed, not fixed. A file
-without a result on a side makes the comparison incomplete, never a pass.
+without a result on a side makes the comparison incomplete, never a pass. While a side's run of
+a file is partial (or not begun), only the tests both sides finished are compared: a regression
+among them is one already, and what is still to run is never "missing".
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsa_image.upstream.bundle import Bundle
-from dsa_image.upstream.recorder import ERROR, FAILED, PASSED, SKIPPED
-from dsa_image.upstream.run import CRASHED, SIDES, TIMEOUT, file_record_outcomes, junit_name, load_run
+from dsa_image.upstream.recorder import ERROR, FAILED, PASSED, REASON_LIMIT, SKIPPED
+from dsa_image.upstream.run import CRASHED, SIDES, TIMEOUT, file_record_results, junit_name, load_run
 from dsa_image.upstream.selection import UpstreamTestsError
 
 MISSING = "missing"
@@ -38,19 +41,29 @@ def junit_outcomes(path: Path, test_file: str) -> dict[str, str]:
     """{node id: outcome} of the junit XML of `test_file`: passed, failed, error or skipped
     (pytest writes an xfail as skipped). A test with a failure and an error (a failed call, then
     a failed teardown) is failed."""
+    return junit_results(path, test_file)[0]
+
+
+def junit_results(path: Path, test_file: str) -> tuple[dict[str, str], dict[str, str]]:
+    """junit_outcomes, and {node id: reason} of the failed and errored tests: their failure's
+    or error's message, on one line, as the records keep it."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError) as exc:
         raise UpstreamTestsError(f"{path}: not junit XML ({exc})") from exc
     outcomes: dict[str, str] = {}
+    reasons: dict[str, str] = {}
     for case in root.iter("testcase"):
-        kinds = {child.tag for child in case}
+        kinds = {child.tag: child for child in case}
         outcome = FAILED if "failure" in kinds else ERROR if "error" in kinds else SKIPPED if "skipped" in kinds else PASSED
         test = node_id(test_file, case.get("classname", ""), case.get("name", ""))
         # A test reported twice (a passed call, then an error in its teardown) keeps the worse.
         if outcomes.get(test) not in _FAILS:
             outcomes[test] = outcome
-    return outcomes
+        failed = kinds.get("failure", kinds.get("error"))
+        if failed is not None and test not in reasons:
+            reasons[test] = " ".join((failed.get("message") or "").split())[:REASON_LIMIT]
+    return outcomes, reasons
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class Change:
     test: str
     stock: str
     overlay: str
+    reason: str = ""  # what the overlay's failure raised, else stock's ("" when neither failed or none was kept)
 
 
 @dataclass
@@ -70,6 +84,7 @@ class FileComparison:
     regressions: list[Change]
     fail_on_both: list[Change]
     other: list[Change]  # fixed on the overlay, skipped where stock failed, only on one side
+    so_far: int = 0  # while a side is partial: the tests both sides finished, compared
 
     @property
     def complete(self) -> bool:
@@ -89,33 +104,53 @@ def is_regression(stock: str, overlay: str) -> bool:
 def file_outcomes(out: Path, side: str, path: str, result: dict) -> dict[str, str]:
     """{node id: outcome} of a file's finished run on one side: its junit XML, or for a file run
     in parts or shards its records (each part's junit holds only that part's tests)."""
-    if result.get("status") != "ran":
-        return {}
-    if result.get("parts") or result.get("shards"):
-        return file_record_outcomes(out / side, path, len(result.get("shards", ())) or 1)
-    return junit_outcomes(out / side / "junit" / junit_name(path), path)
+    return side_results(out, side, path, result)[0] if result.get("status") == "ran" else {}
+
+
+def side_results(out: Path, side: str, path: str, result: dict) -> tuple[dict[str, str], dict[str, str]]:
+    """({node id: outcome}, {node id: reason}) of what one side finished of a file: every test
+    of a run that ran, the tests a partial run finished so far (its records), else none."""
+    status = result.get("status")
+    if status == "ran" and not (result.get("parts") or result.get("shards")):
+        return junit_results(out / side / "junit" / junit_name(path), path)
+    if status in ("ran", "partial"):
+        return file_record_results(out / side, path, len(result.get("shards", ())) or 1)
+    return {}, {}
 
 
 def compare_file(path: str, stock: dict, overlay: dict, out: Path) -> FileComparison:
     sides = {"stock": stock, "overlay": overlay}
-    outcomes = {side: file_outcomes(out, side, path, r) for side, r in sides.items()}
-    counts = {side: {k: sum(1 for o in found.values() if o == k) for k in _COUNTED}
-              for side, found in outcomes.items()}
+    found = {side: side_results(out, side, path, r) for side, r in sides.items()}
+    outcomes = {side: found[side][0] for side in SIDES}
+    counts = {side: {k: sum(1 for o in outcomes[side].values() if o == k) if sides[side].get("status") == "ran" else 0
+                     for k in _COUNTED} for side in SIDES}
     comparison = FileComparison(path, stock, overlay, counts, [], [], [])
-    if stock.get("status") != "ran":
+    if stock.get("status") not in ("ran", "partial"):
         return comparison  # no baseline: incomplete, never a verdict
-    for test in sorted(set(outcomes["stock"]) | set(outcomes["overlay"])):
-        change = Change(path, test, outcomes["stock"].get(test, MISSING), outcomes["overlay"].get(test, MISSING))
+    finished = all(r.get("status") not in (None, "partial") for r in sides.values())
+    if finished:
+        tests = set(outcomes["stock"]) | set(outcomes["overlay"])
+    else:  # what a side has still to run is not missing: compare what both finished
+        tests = set(outcomes["stock"]) & set(outcomes["overlay"])
+        comparison.so_far = len(tests)
+    for test in sorted(tests):
+        reason = found["overlay"][1].get(test) or found["stock"][1].get(test, "")
+        change = Change(path, test, outcomes["stock"].get(test, MISSING), outcomes["overlay"].get(test, MISSING), reason)
         if is_regression(change.stock, change.overlay):
             comparison.regressions.append(change)
         elif change.stock in _FAILS and change.overlay in _FAILS:
             comparison.fail_on_both.append(change)
         elif change.stock != change.overlay:
             comparison.other.append(change)
-    if overlay.get("status") not in (None, "ran", "partial") and not comparison.regressions:
+    if finished and overlay.get("status") != "ran" and not comparison.regressions:
         # The overlay's run gave nothing where stock's did: that is a regression by itself.
         comparison.regressions.append(Change(path, f"{path} (the whole file)", "ran", overlay["status"]))
     return comparison
+
+
+def _change_line(change: Change) -> str:
+    reason = f"  ({change.reason[:200]})" if change.reason else ""
+    return f"  {change.test}: {change.stock} -> {change.overlay}{reason}"
 
 
 @dataclass(frozen=True)
@@ -196,7 +231,7 @@ def format_comparison(comparison: Comparison) -> str:
                 ("other differences (not regressions)", [c for f in comparison.files for c in f.other])]
     for title, changes in sections:
         if changes:
-            lines += ["", f"{title}:"] + [f"  {c.test}: {c.stock} -> {c.overlay}" for c in changes]
+            lines += ["", f"{title}:"] + [_change_line(c) for c in changes]
     if comparison.incomplete:
         lines += ["", "files without a result on a side (the comparison is incomplete):"]
         for f in comparison.incomplete:
@@ -204,6 +239,8 @@ def format_comparison(comparison: Comparison) -> str:
                 if result.get("status") != "ran":
                     reason = result.get("reason") or "not run yet (run again: it resumes)"
                     lines.append(f"  {f.path} [{side}] {result.get('status', 'not run')}: {reason.strip()[:300]}")
+            if f.so_far:
+                lines.append(f"  {f.path}: {f.so_far} tests finished on both sides so far, compared above")
     if not comparison.stock_passed:
         lines += ["", "no test passed on stock: the comparison proves nothing (is the stock site broken?)"]
     count = len(comparison.regressions)
@@ -213,10 +250,11 @@ def format_comparison(comparison: Comparison) -> str:
 
 def comparison_doc(comparison: Comparison) -> dict:
     def changes(items):
-        return [{"test": c.test, "stock": c.stock, "overlay": c.overlay} for c in items]
+        return [{"test": c.test, "stock": c.stock, "overlay": c.overlay, **({"reason": c.reason} if c.reason else {})}
+                for c in items]
     return {"vllm_version": comparison.vllm_version, "regressions": len(comparison.regressions),
             "complete": not comparison.incomplete, "verdict": comparison.verdict,
             "files": {f.path: {"stock": {**f.stock, "counts": f.counts["stock"]},
                                "overlay": {**f.overlay, "counts": f.counts["overlay"]},
                                "regressions": changes(f.regressions), "fail_on_both": changes(f.fail_on_both),
-                               "other": changes(f.other)} for f in comparison.files}}
+                               "other": changes(f.other), "so_far": f.so_far} for f in comparison.files}}

@@ -29,7 +29,7 @@ the stage that defines each. Stdlib only (it runs in a bare build stage and agai
 from __future__ import annotations
 
 from dsa_image.upstream.bundle import Bundle, lib_requirements, load_bundle, make_bundle, pinned_sdist, read_sdist, selection_doc, write_bundle
-from dsa_image.upstream.compare import compare_runs, comparison_doc, file_outcomes, format_comparison, is_regression, junit_outcomes, node_id
+from dsa_image.upstream.compare import compare_runs, comparison_doc, file_outcomes, format_comparison, is_regression, junit_outcomes, junit_results, node_id
 from dsa_image.upstream.run import CRASHED, RUN_FILE, RUN_SCHEMA, SIDES, TIMEOUT, Progress, Shard, Site, forget_files, junit_name, load_run, read_record, record_path, run_tasks
 from dsa_image.upstream.selection import Selected, Selection, UpstreamTestsError, UpstreamTree, loads_module, overlaid_modules, select
 
@@ -44,5 +44,6 @@ __all__ = [
     "load_run",
     "read_record", "record_path", "run_tasks",
     # compare
-    "compare_runs", "comparison_doc", "file_outcomes", "format_comparison", "is_regression", "junit_outcomes", "node_id",
+    "compare_runs", "comparison_doc", "file_outcomes", "format_comparison", "is_regression", "junit_outcomes",
+    "junit_results", "node_id",
 ]

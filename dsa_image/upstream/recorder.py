@@ -8,7 +8,10 @@ The record is JSON lines appended to one file per test file and side:
   {"collected": [node id, ...]}        each run's whole collection (its shard's), before the
                                        finished tests are deselected
   {"start": node id}                   a test began (its setup)
-  {"done": node id, "outcome": "..."}  it ended (after its teardown): passed, failed, error, skipped
+  {"done": node id, "outcome": "...",  it ended (after its teardown): passed, failed, error, skipped;
+   "reason": "..."}                    a failure or error keeps what it raised (`failure_reason`):
+                                       pytest prints that only at a run's end, which a killed
+                                       part never reaches
 
 Outcomes are junit's, as `compare.junit_outcomes` reads them: a failed setup or teardown is an
 error, a failed call is failed (also with a failed teardown), an xfail is skipped.
@@ -29,6 +32,7 @@ import zlib
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 OUTCOMES = (PASSED, FAILED, ERROR, SKIPPED)
+REASON_LIMIT = 500  # characters of a failure's reason kept in the record
 
 
 def outcome_after(current: str | None, when: str, report_outcome: str) -> str | None:
@@ -44,6 +48,14 @@ def outcome_after(current: str | None, when: str, report_outcome: str) -> str | 
     return current
 
 
+def failure_reason(report) -> str:
+    """What a failed setup, call or teardown raised, on one line: pytest's crash message (the
+    exception and its text), else its whole report, cut to REASON_LIMIT characters."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = getattr(crash, "message", None) or str(report.longrepr or "")
+    return " ".join(text.split())[:REASON_LIMIT]
+
+
 def in_shard(nodeid: str, index: int, count: int) -> bool:
     """Whether the test `nodeid` is shard `index`'s (from 0) of `count`."""
     return zlib.crc32(nodeid.encode()) % count == index
@@ -53,6 +65,7 @@ class Recorder:
     def __init__(self, record, done: set[str], shard: tuple[int, int] = (0, 1)):
         self.record, self.done, self.shard = record, done, shard
         self.outcomes: dict[str, str | None] = {}
+        self.reasons: dict[str, str] = {}  # the first failed report's, per test
 
     def write(self, doc: dict) -> None:
         self.record.write(json.dumps(doc) + "\n")
@@ -72,9 +85,12 @@ class Recorder:
 
     def pytest_runtest_logreport(self, report):
         self.outcomes[report.nodeid] = outcome_after(self.outcomes.get(report.nodeid), report.when, report.outcome)
+        if report.outcome == "failed" and report.nodeid not in self.reasons:
+            self.reasons[report.nodeid] = failure_reason(report)
 
     def pytest_runtest_logfinish(self, nodeid, location):
-        self.write({"done": nodeid, "outcome": self.outcomes.pop(nodeid, None) or PASSED})
+        outcome, reason = self.outcomes.pop(nodeid, None) or PASSED, self.reasons.pop(nodeid, "")
+        self.write({"done": nodeid, "outcome": outcome, **({"reason": reason} if outcome in (FAILED, ERROR) else {})})
 
 
 def main(argv: list[str]) -> int:

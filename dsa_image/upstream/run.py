@@ -154,17 +154,19 @@ def record_path(out: Path, path: str, shard: Shard | None = None) -> Path:
     return out / "records" / junit_name(path, shard).replace(".xml", ".jsonl")
 
 
-def file_record_outcomes(out: Path, path: str, shards: int) -> dict[str, str]:
-    """{node id: outcome} over a file's records: its own, or each of its shards'."""
+def file_record_results(out: Path, path: str, shards: int) -> tuple[dict[str, str], dict[str, str]]:
+    """({node id: outcome}, {node id: reason}) over a file's records: its own, or each of its shards'."""
     outcomes: dict[str, str] = {}
+    reasons: dict[str, str] = {}
     for shard in shards_of(shards):
-        found = read_record(record_path(out, path, shard), path).outcomes
-        if set(found) & set(outcomes):
+        progress = read_record(record_path(out, path, shard), path)
+        if set(progress.outcomes) & set(outcomes):
             raise UpstreamTestsError(f"{record_path(out, path, shard)}: tests another shard of {path} ran too "
-                                     f"({sorted(set(found) & set(outcomes))[0]}); remove its records and its entry in "
-                                     "run.json to run it again")
-        outcomes.update(found)
-    return outcomes
+                                     f"({sorted(set(progress.outcomes) & set(outcomes))[0]}); remove its records and its "
+                                     "entry in run.json to run it again")
+        outcomes.update(progress.outcomes)
+        reasons.update(progress.reasons)
+    return outcomes, reasons
 
 
 @dataclass(frozen=True)
@@ -177,15 +179,16 @@ class Progress:
     outcomes: dict[str, str]
     running: str | None
     finished_in_last_part: int
+    reasons: dict[str, str]  # a failed or errored test's: what it raised (recorder.failure_reason)
 
 
 def read_record(path: Path, test_file: str) -> Progress:
     """A record (untrusted: every line checked, and every node id must be one of `test_file`'s)."""
     if not path.exists():
-        return Progress(0, (), {}, None, 0)
+        return Progress(0, (), {}, None, 0, {})
     if path.stat().st_size > _RECORD_LIMIT:
         raise UpstreamTestsError(f"{path}: {path.stat().st_size} bytes, over the {_RECORD_LIMIT} a record may be")
-    parts, collected, outcomes, running, finished = 0, None, {}, None, 0
+    parts, collected, outcomes, running, finished, reasons = 0, None, {}, None, 0, {}
     for number, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(), 1):
         try:
             doc = json.loads(line)
@@ -194,7 +197,7 @@ def read_record(path: Path, test_file: str) -> Progress:
         kind = _record_line(doc, test_file)
         if kind is None:
             raise UpstreamTestsError(f"{path}:{number}: not a record line of {test_file}: {line[:200]!r}; expected "
-                                     '{"part": N}, {"collected": [...]}, {"start": ID} or {"done": ID, "outcome": O} '
+                                     '{"part": N}, {"collected": [...]}, {"start": ID} or {"done": ID, "outcome": O[, "reason": R]} '
                                      f"(remove {path} and the file's entry in run.json to run it again whole)")
         if kind == "part":
             parts, running, finished = parts + 1, None, 0
@@ -204,9 +207,11 @@ def read_record(path: Path, test_file: str) -> Progress:
             running = doc["start"]
         else:
             outcomes[doc["done"]] = doc["outcome"]
+            if doc.get("reason"):
+                reasons[doc["done"]] = doc["reason"]
             finished += doc["outcome"] in recorder.OUTCOMES
             running = None if running == doc["done"] else running
-    return Progress(parts, collected or (), outcomes, running, finished)
+    return Progress(parts, collected or (), outcomes, running, finished, reasons)
 
 
 def _record_line(doc, test_file: str) -> str | None:
@@ -222,9 +227,14 @@ def _record_line(doc, test_file: str) -> str | None:
         return "collected"
     if keys == {"start"} and ours(doc["start"]):
         return "start"
-    if keys == {"done", "outcome"} and ours(doc["done"]) and doc["outcome"] in (*recorder.OUTCOMES, TIMEOUT, CRASHED):
+    if keys in ({"done", "outcome"}, {"done", "outcome", "reason"}) and ours(doc["done"]) and \
+            doc["outcome"] in (*recorder.OUTCOMES, TIMEOUT, CRASHED) and _reason_ok(doc.get("reason", "")):
         return "done"
     return None
+
+
+def _reason_ok(reason: object) -> bool:
+    return isinstance(reason, str) and len(reason) <= recorder.REASON_LIMIT
 
 
 def _append(path: Path, doc: dict) -> None:
