@@ -643,6 +643,11 @@ def test_a_regression_among_the_tests_a_partial_file_finished_is_one_already(tmp
         {"test": "tests/test_a.py::ok", "stock": "passed", "overlay": "failed", "reason": "AssertionError: assert 2 == 3"}]
 
 
+def test_a_reason_is_one_printable_line_of_at_most_the_limit():
+    assert ut.one_line("ValueError: no\n  config\x1b[2J for x") == "ValueError: no config?[2J for x"
+    assert len(ut.one_line("y" * 2000)) == 500
+
+
 def test_junit_keeps_a_failures_message_as_its_reason(tmp_path):
     junit(tmp_path / "a.xml", [("ok", "passed"), ("bad", "failed"), ("err", "error"), ("skip", "skipped")])
     assert ut.junit_results(tmp_path / "a.xml", "tests/test_a.py")[1] == {"tests/test_a.py::bad": "x",
@@ -688,6 +693,7 @@ def test_forget_drops_only_the_named_files_results_on_both_sides(tmp_path):
     ('{"start": "tests/test_a.py::x", "extra": 1}', "a key too many"),
     ('{"done": "tests/test_a.py::x", "outcome": "failed", "reason": 7}', "a reason that is no text"),
     ('{"done": "tests/test_a.py::x", "outcome": "failed", "reason": "' + "x" * 501 + '"}', "a reason too long"),
+    ('{"done": "tests/test_a.py::x", "outcome": "failed", "reason": "a\\u001b[2Jb"}', "a reason with a terminal escape"),
     ('{"part": true}', "a part that is no count"),
     ('{"collected": "tests/test_a.py::x"}', "a collection that is no list"),
     ('not json', "not JSON"),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsa_image.upstream.bundle import Bundle
-from dsa_image.upstream.recorder import ERROR, FAILED, PASSED, REASON_LIMIT, SKIPPED
+from dsa_image.upstream.recorder import ERROR, FAILED, PASSED, SKIPPED, one_line
 from dsa_image.upstream.run import CRASHED, SIDES, TIMEOUT, file_record_results, junit_name, load_run
 from dsa_image.upstream.selection import UpstreamTestsError
 
@@ -62,7 +62,7 @@ def junit_results(path: Path, test_file: str) -> tuple[dict[str, str], dict[str,
             outcomes[test] = outcome
         failed = kinds.get("failure", kinds.get("error"))
         if failed is not None and test not in reasons:
-            reasons[test] = " ".join((failed.get("message") or "").split())[:REASON_LIMIT]
+            reasons[test] = one_line(failed.get("message") or "")
     return outcomes, reasons
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dsa_image.upstream.bundle import Bundle, lib_requirements, load_bundle, make_bundle, pinned_sdist, read_sdist, selection_doc, write_bundle
 from dsa_image.upstream.compare import compare_runs, comparison_doc, file_outcomes, format_comparison, is_regression, junit_outcomes, junit_results, node_id
+from dsa_image.upstream.recorder import one_line
 from dsa_image.upstream.run import CRASHED, RUN_FILE, RUN_SCHEMA, SIDES, TIMEOUT, Progress, Shard, Site, forget_files, junit_name, load_run, read_record, record_path, run_tasks
 from dsa_image.upstream.selection import Selected, Selection, UpstreamTestsError, UpstreamTree, loads_module, overlaid_modules, select
 
@@ -43,6 +44,8 @@ __all__ = [
     "CRASHED", "RUN_FILE", "RUN_SCHEMA", "SIDES", "TIMEOUT", "Progress", "Shard", "Site", "forget_files", "junit_name",
     "load_run",
     "read_record", "record_path", "run_tasks",
+    # recorder
+    "one_line",
     # compare
     "compare_runs", "comparison_doc", "file_outcomes", "format_comparison", "is_regression", "junit_outcomes",
     "junit_results", "node_id",

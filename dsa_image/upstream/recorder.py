@@ -49,11 +49,16 @@ def outcome_after(current: str | None, when: str, report_outcome: str) -> str | 
 
 
 def failure_reason(report) -> str:
-    """What a failed setup, call or teardown raised, on one line: pytest's crash message (the
-    exception and its text), else its whole report, cut to REASON_LIMIT characters."""
+    """What a failed setup, call or teardown raised: pytest's crash message (the exception and
+    its text), else its whole report, as `one_line`."""
     crash = getattr(report.longrepr, "reprcrash", None)
-    text = getattr(crash, "message", None) or str(report.longrepr or "")
-    return " ".join(text.split())[:REASON_LIMIT]
+    return one_line(getattr(crash, "message", None) or str(report.longrepr or ""))
+
+
+def one_line(text: str) -> str:
+    """`text` as a reason: one line, printable (a terminal that shows it runs no escape), at most
+    REASON_LIMIT characters."""
+    return "".join(c if c.isprintable() else "?" for c in " ".join(text.split()))[:REASON_LIMIT]
 
 
 def in_shard(nodeid: str, index: int, count: int) -> bool:
