@@ -1,5 +1,5 @@
 """The recorded benchmark and warm-start runs, re-read from their raw.tar.xz (the runs under
-docs/benchmarks, docs/validation/h200-2026-12-01-vllm0_33_0-run5 and the real-width run 10): each follows the schema,
+docs/benchmarks, docs/validation/h200-2026-12-01-vllm0_33_0-run5 and the real-width runs 10 and 12): each follows the schema,
 every ratio, interval and verdict follows from its rounds, and the records' tables are what the
 code makes of the results. Records are history: the receipts they ran against today's bake, and
 the figures the prose and README.md state, are the release check's (scripts/release_check.py).
@@ -23,7 +23,10 @@ BASES = BENCHMARKS / "h200-2026-12-01-vllm0_24_0-vs-vllm0_33_0"
 MTP2 = BENCHMARKS / "h200-2026-12-01-vllm0_33_0-mtp2"
 REALWIDTH = VALIDATION / "h200-2026-12-04-vllm0_33_0-run10"  # GLM-5 at real width, 4 layers
 REALWIDTH_RESULTS = unpacked(REALWIDTH) / "realwidth-bench" / "results.json"
-ALL_RESULTS = [*RESULTS, unpacked(BASES) / "results.json", unpacked(MTP2) / "results.json", REALWIDTH_RESULTS]
+# The two bases at real width (run 12, one H100).
+REALWIDTH_BASES = unpacked(VALIDATION / "h100-2026-12-06-vllm0_33_0-run12") / "realwidth-bench-bases" / "results.json"
+ALL_RESULTS = [*RESULTS, unpacked(BASES) / "results.json", unpacked(MTP2) / "results.json", REALWIDTH_RESULTS,
+               REALWIDTH_BASES]
 RUN5 = VALIDATION / "h200-2026-12-01-vllm0_33_0-run5"
 
 

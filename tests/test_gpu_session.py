@@ -346,7 +346,7 @@ def test_the_real_width_bench_serves_glm5_at_real_width_with_its_memory_and_the_
                                                     s.paths.realwidth_bench_work, *phases.REALWIDTH_SERVERS)]
     args = bench.parse_args(command[1:])
     assert (args.model, args.mtp_model) == (str(s.paths.realwidth),) * 2
-    assert (args.kv_cache_memory_bytes, args.gpu_memory_utilization, args.workloads) == (8 << 30, 0.4, ["base"])
+    assert (args.kv_cache_memory_bytes, args.gpu_memory_utilization, args.workloads) == (4 << 30, 0.4, ["base"])
 
 
 def test_the_real_width_harnesses_take_the_arguments_the_runner_gives_them(tmp_path):
@@ -355,7 +355,7 @@ def test_the_real_width_harnesses_take_the_arguments_the_runner_gives_them(tmp_p
     s = _session(tmp_path, "realwidth-equiv")
     model = s.paths.realwidth
     args = serving_modes.parse_args([str(a) for a in phases.modes_args(
-        s, "realwidth-equiv-long-fp8-mtp3", s.opts.realwidth_modes, model, model, *phases.REALWIDTH_MODES_KV)])
+        s, "realwidth-equiv-long-fp8-mtp3", s.opts.realwidth_modes, model, model, *phases.REALWIDTH_SERVERS)])
     assert (args.modes, args.model, args.mtp_model) == ("long-fp8-mtp3", str(model), str(model))
     assert (args.kv_cache_memory_bytes, args.gpu_memory_utilization, args.vllm) == (4 << 30, 0.4, s.paths.vllm)
     assert args.timeout <= s.opts.modes_timeout_s

@@ -117,6 +117,38 @@ def test_the_receipts_of_a_record_are_its_receipt_files_and_its_benchmark_builds
     assert release_check.receipts(tree, Path("run")) == {records.sha256(_receipt("0.24.0", "m")): "0.24.0", "ab" * 32: "0.33.0"}
 
 
+def _bench_doc(ratio: float) -> dict:
+    from dsa_image.bench import report
+    from dsa_image.bench.stats import METRICS
+    summary = {m: {"n": 6, "median_ratio": ratio, "ci_low": ratio - 0.01, "ci_high": ratio + 0.01} for m in METRICS}
+    workload = {"name": "512x128-c32", "group": "base", "input_len": 512, "output_len": 128, "concurrency": 32,
+                "requests": 64, "rounds_planned": 0, "rounds_done": 0, "rounds": [], "summary": summary}
+    return {"schema": report.SCHEMA, "created": "t", "command": "c", "environment": {}, "settings": {}, "groups": {},
+            "workloads": [workload]}
+
+
+def test_a_ratio_row_is_held_to_the_benchmark_results_of_any_record(tmp_path):
+    """A validation run whose phase ran the benchmark (the real-width runs) backs a table row as
+    a benchmark's own record does; a results.json of another kind backs nothing."""
+    from dsa_image.bench import report
+    repo = tmp_path / "repo"
+    record = repo / "docs" / "validation" / "run"
+    (record / "bench").mkdir(parents=True)
+    (record / "other").mkdir()
+    (record / "README.md").write_text("# run\n")
+    (record / "bench" / "results.json").write_text(json.dumps(_bench_doc(0.51)))
+    (record / "other" / "results.json").write_text(json.dumps([1, 2]))
+    records.pack(record)
+    (tmp_path / "scratch").mkdir()
+    tree = release_check.Tree(repo, tmp_path / "scratch")
+    row = report.table([_bench_doc(0.51)]).splitlines()[-1]
+    (repo / "README.md").write_text(f"{row}\n")
+    assert release_check._readme_tables(tree) == []
+    (repo / "README.md").write_text(row.replace("0.510", "0.511") + "\n")
+    (problem,) = release_check._readme_tables(tree)
+    assert problem.startswith("README.md: the row '| 512x128-c32 | 0 | 0.511") and "is no benchmark record's" in problem
+
+
 def test_the_command_line_prints_each_checks_problems_and_exits_1(monkeypatch, capsys):
     monkeypatch.setattr(release_check, "CHECKS", {"good": lambda tree: [], "bad": lambda tree: ["x is wrong"]})
     assert release_check.main([]) == 1

@@ -199,14 +199,27 @@ def check_benchmarks(tree: Tree) -> list[str]:
             *_build_saving(tree)]
 
 
+def _bench_results(tree: Tree, record: Path) -> list[dict]:
+    """The benchmark results (`scripts/bench.py run`'s results.json) a record's raw data holds: a
+    benchmark's own record, or a validation run whose phase ran the benchmark."""
+    found = []
+    for name, data in sorted(records.read_archive(record).items()):
+        if name.rsplit("/", 1)[-1] == "results.json" and _schema(data) == report.SCHEMA:
+            found.append(tree.results(record.relative_to(tree.repo), name))
+    return found
+
+
+def _schema(data: bytes) -> object:
+    doc = json.loads(data)
+    return doc.get("schema") if isinstance(doc, dict) else None
+
+
 def _readme_tables(tree: Tree) -> list[str]:
     """Every row of a ratio table in a claim doc is a row `scripts/bench.py table` prints for a
-    benchmark record."""
+    benchmark record or a validation record holding a benchmark's results."""
     rows = set()
     for record in records.record_dirs(tree.repo):
-        if record.parent.name == "benchmarks":
-            found = sorted(n for n in records.read_archive(record) if n.rsplit("/", 1)[-1] == "results.json")
-            rows |= set(report.table([tree.results(record.relative_to(tree.repo), n) for n in found]).splitlines())
+        rows |= set(report.table(_bench_results(tree, record)).splitlines())
     ratio_row = re.compile(r"^\| [\w.-]+ \| \d+ \| \d+\.\d{3} \[")
     return [f"{doc}: the row {line!r} is no benchmark record's (`scripts/bench.py table RESULTS`)"
             for doc in _claim_docs(tree)

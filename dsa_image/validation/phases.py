@@ -26,11 +26,12 @@ from dsa_image.validation import dist_copy, stage
 from dsa_image.validation.runner import FAILED, OK, REFUSED, Paths, Refused, Session, copy_out, log, matching, tail
 
 # GLM-5 at real width (about 24 GiB of bf16 weights, 43 GiB with the MTP layer): two servers side
-# by side on one H200, each with a fixed KV cache; the utilisation only passes vLLM's start-up
+# by side on one GPU, each with a fixed KV cache of 4 GiB (836,224 tokens, far more than any
+# workload holds), the image's own default: with 8 GiB each, vLLM 0.24.0's server ran out of
+# memory beside 0.33.0's on an 80 GB H100 (run 12). The utilisation only passes vLLM's start-up
 # check of free memory with two servers starting together. VLLM_DEBUG_WORKSPACE=1 logs the
 # workspaces the memory check takes off the model's loading memory (memory_check.py).
-REALWIDTH_SERVERS = ("--kv-cache-memory-bytes", str(8 << 30), "--gpu-memory-utilization", "0.4")
-REALWIDTH_MODES_KV = ("--kv-cache-memory-bytes", str(4 << 30), "--gpu-memory-utilization", "0.4")
+REALWIDTH_SERVERS = ("--kv-cache-memory-bytes", str(4 << 30), "--gpu-memory-utilization", "0.4")
 REALWIDTH_ENV = {"VLLM_DEBUG_WORKSPACE": "1"}
 # The image's start (cold and restart), the first 3,000-token request within 1.2x the warm ones,
 # nothing compiled after the warm-up (issue 26).
@@ -657,7 +658,7 @@ def realwidth_prepare(s: Session) -> int:
 def realwidth_equiv(s: Session) -> int:
     model, chosen = realwidth(s), s.opts.realwidth_modes
     name = f"realwidth-equiv-{chosen}"
-    status = modes(s, name, chosen, model, model, *REALWIDTH_MODES_KV, env=REALWIDTH_ENV)
+    status = modes(s, name, chosen, model, model, *REALWIDTH_SERVERS, env=REALWIDTH_ENV)
     return memory_check(s, s.paths.results / name, name) or status
 
 
