@@ -129,6 +129,10 @@ def test_the_decode_check_compared_nothing():
     assert set(d) == {"skipped", "failed"}
     assert f"of its {sum(d.values()):,} cases {d['skipped']:,} skipped and {d['failed']} failed on each side, none passed" \
         in _flat()
+    split = {side: [o for t, o in outcomes[side].items() if t.startswith(f"{SPARSE}::test_split_indexer_prefill_chunks")]
+             for side in SIDES}
+    assert split["stock"] == split["overlay"] == ["passed"] * len(split["stock"])
+    assert f"its {len(split['stock'])} tests (`test_split_indexer_prefill_chunks*`) passed on both sides" in _flat()
 
 
 # -- the two bases at real width -------------------------------------------------------------------
