@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import functools
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,3 +40,13 @@ def listed(record: Path, pattern: str = "*") -> list[str]:
     parametrising at collection)."""
     claim = records.cited((record / records.README).read_text(), str(record))
     return sorted(m.name for m in claim.members if fnmatch.fnmatchcase(m.name, pattern))
+
+
+def readme_flat(record: Path) -> str:
+    """A record's README with its line breaks and indents folded: prose wraps anywhere."""
+    return re.sub(r"\s+", " ", (record / records.README).read_text())
+
+
+def readme_lines(record: Path) -> list[str]:
+    """A record's README lines, indent stripped: its tables may sit inside a numbered list."""
+    return [line.strip() for line in (record / records.README).read_text().splitlines()]

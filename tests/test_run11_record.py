@@ -13,7 +13,7 @@ import pytest
 
 from dsa_image.upstream import compare as upstream_compare
 from dsa_image.upstream import run as upstream_run
-from record_files import VALIDATION, unpacked
+from record_files import VALIDATION, readme_flat, readme_lines, unpacked
 
 RECORD = VALIDATION / "h100-2026-12-06-vllm0_33_0-run11"
 STARTS = {"after-cold": "cold", "after-restart": "restart"}
@@ -23,18 +23,12 @@ SIDES = ("stock", "overlay")
 NO_CONFIG = re.compile(r"Invalid repository ID or local directory specified: '([^']+)'")
 
 
-def _readme() -> str:
-    return (RECORD / "README.md").read_text()
-
-
 def _flat() -> str:
-    """The README with its line breaks and indents folded: prose wraps anywhere."""
-    return re.sub(r"\s+", " ", _readme())
+    return readme_flat(RECORD)
 
 
 def _rows() -> set[str]:
-    """The README's lines, indent stripped: its tables sit inside a numbered list."""
-    return {line.strip() for line in _readme().splitlines()}
+    return set(readme_lines(RECORD))
 
 
 def _startup() -> dict:
