@@ -529,6 +529,19 @@ def test_each_build_serves_with_the_environment_it_is_given_and_the_results_say_
     assert "probe: on" in (tmp_path / "out" / "server-bench-base-B.log").read_text()
 
 
+def test_each_build_serves_with_the_flags_it_is_given_after_every_other_and_the_results_say_so(tmp_path, tiny_model):
+    # One build against itself with one vllm serve flag changed: B's servers alone get it, last.
+    code, doc = _run_bench(tmp_path, tiny_model, "--workloads", "512x128-c1", "--rounds-scale", "0.1",
+                           "--requests-scale", "0.5", "--b-name", "overlay-flashmla",
+                           "--b-server-args", "--attention-backend FLASHMLA_SPARSE", fake={"ttft_s": 0.002})
+    assert code == 0, doc.get("error")
+    builds = doc["environment"]["builds"]
+    assert builds["A"]["server_args"] == [] and builds["B"]["server_args"] == ["--attention-backend", "FLASHMLA_SPARSE"]
+    a_log, b_log = ((tmp_path / "out" / f"server-bench-base-{side}.log").read_text() for side in ("A", "B"))
+    assert "FLASHMLA_SPARSE" not in a_log
+    assert "'--gpu-memory-utilization', '0.2', '--attention-backend', 'FLASHMLA_SPARSE'" in b_log
+
+
 @pytest.mark.parametrize("value", ["NOEQUALS", "=x", "1BAD=x", "A-B=x"])
 def test_an_environment_assignment_that_is_not_key_value_is_refused(value, capsys):
     with pytest.raises(SystemExit):

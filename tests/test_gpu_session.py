@@ -331,6 +331,17 @@ def test_bench_args_come_last_so_they_can_rename_b_and_give_it_a_setting(tmp_pat
     assert (args.b_name, args.b_env) == ("overlay-0.33.0-compiled", [("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")])
 
 
+def test_bench_args_can_give_b_a_serve_flag_of_its_own(tmp_path):
+    # The c=32 attribution at real width: the same build with another attention backend as B.
+    s = _session(tmp_path, "--bench-args=--b-name overlay-0.33.0-flashmla --b-server-args '--attention-backend FLASHMLA_SPARSE'",
+                 "realwidth-bench")
+    builds = ["--a-site", "s", "--b-site", "s", "--a-name", "overlay-0.33.0", "--b-name", "overlay-0.33.0-control"]
+    command = [str(c) for c in phases.bench_command(s, builds, "realwidth-bench", Path("m"), Path("m"), Path("w"))]
+    args = bench.parse_args(command[1:])
+    assert (args.b_name, args.b_server_args, args.a_server_args) == (
+        "overlay-0.33.0-flashmla", "--attention-backend FLASHMLA_SPARSE", "")
+
+
 def test_the_benchmarks_deadline_leaves_it_time_to_stop_its_servers(tmp_path):
     s = _session(tmp_path, "--deadline-s", "400", "bench")
     command = [str(c) for c in phases.bench_command(s, [], "bench", Path("m"), Path("m"), Path("w"))]

@@ -16,6 +16,7 @@ may compute differently).
     python3 scripts/bench.py plan [--workloads ...]            # what would run, estimated time
     python3 scripts/bench.py run --a-site S --b-site O --model DIR --out DIR [...]
     python3 scripts/bench.py run --a-site S --b-site S --b-name NAME --b-env KEY=VALUE ...  # a setting
+    python3 scripts/bench.py run --a-site S --b-site S --b-name NAME --b-server-args "--flag V" ...  # a flag
     python3 scripts/bench.py plot RESULTS.json [...] [--out DIR] # PNGs, no GPU needed
     python3 scripts/bench.py table RESULTS.json [...]           # markdown rows for a README
     python3 scripts/bench.py table --levels RESULTS.json [...]  # each build's medians, order effect
@@ -126,9 +127,11 @@ class Build:
     name: str
     site: str
     python: str
-    # Variables this build's servers get on top of the harness's own (--a-env, --b-env): one
-    # build with a setting against the same build without it.
+    # Variables this build's servers get on top of the harness's own (--a-env, --b-env), and
+    # vllm serve flags after every other (--a-server-args, --b-server-args, so they win): one
+    # build with a setting or a flag against the same build without it.
     env: dict[str, str] = field(default_factory=dict)
+    server_args: tuple[str, ...] = ()
 
 
 def _server_args(args, group: Group) -> list[str]:
@@ -191,7 +194,7 @@ def start_servers(args, plan: Plan, builds: list[Build], work_dir: Path, out_dir
             home = _home(work_dir, group.name, build)
             server = serving.start_server(
                 f"bench-{group.name}-{build.side}", build.site, dirs[group.model],
-                args.port_base + 2 * gi + si, str(out_dir), _server_args(args, group),
+                args.port_base + 2 * gi + si, str(out_dir), [*_server_args(args, group), *build.server_args],
                 home=str(home), max_model_len=group.max_model_len, python=build.python, env_extra=build.env)
             servers.append({**server, "group": group.name, "side": build.side})
     return servers
@@ -273,6 +276,7 @@ def new_results(args, plan: Plan, builds: list[Build], argv: list[str]) -> dict:
         "command": shlex.join(["scripts/bench.py", *argv]),
         "environment": {"gpu": gpu_info(), "platform": platform.platform(),
                         "builds": {b.side: {"name": b.name, "site": b.site, "python": b.python, "env": b.env,
+                                            "server_args": list(b.server_args),
                                             "versions": build_versions(b.python, b.site)} for b in builds}},
         "settings": {"seed": args.seed, "resamples": args.resamples, "confidence": args.confidence,
                      "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
@@ -295,8 +299,10 @@ def run(args, argv: list[str]) -> int:
     out_dir, work_dir = Path(args.out), Path(args.work_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work_dir.mkdir(parents=True, exist_ok=True)
-    builds = [Build("A", args.a_name, args.a_site, args.a_python, dict(args.a_env)),
-              Build("B", args.b_name, args.b_site, args.b_python, dict(args.b_env))]
+    builds = [Build("A", args.a_name, args.a_site, args.a_python, dict(args.a_env),
+                    tuple(shlex.split(args.a_server_args))),
+              Build("B", args.b_name, args.b_site, args.b_python, dict(args.b_env),
+                    tuple(shlex.split(args.b_server_args)))]
     homes = [_home(work_dir, g.name, b) for g in plan.groups for b in builds]
     if args.fresh_caches:
         for home in homes:
@@ -378,6 +384,10 @@ def _add_run(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{side}-env", action="append", type=env_assignment, default=[], metavar="KEY=VALUE",
                             help=f"an environment variable for build {side.upper()}'s servers (repeatable), "
                                  "e.g. one build with a vLLM setting against itself without it")
+        parser.add_argument(f"--{side}-server-args", default="", metavar="ARGS",
+                            help=f"more vllm serve arguments for build {side.upper()}'s servers alone, one string, "
+                                 "after every other (e.g. --attention-backend X against the build's own choice; "
+                                 f"one flag alone as --{side}-server-args=--flag)")
     parser.add_argument("--model", required=True, help="the tiny GLM-5 directory (scripts/make_tiny_model.py)")
     parser.add_argument("--mtp-model", help="the tiny GLM-5 with its MTP layer, for the mtp groups")
     parser.add_argument("--out", required=True, help="results.json and the server logs go here")
