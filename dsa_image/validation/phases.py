@@ -25,10 +25,10 @@ from dsa_image.harness import server as serving
 from dsa_image.validation import dist_copy, stage
 from dsa_image.validation.runner import FAILED, OK, REFUSED, Paths, Refused, Session, copy_out, log, matching, tail
 
-# GLM-5 at real width (about 24 GiB of bf16 weights, 43 GiB with the MTP layer): two servers side
-# by side on one GPU, each with a fixed KV cache of 4 GiB (836,224 tokens, far more than any
-# workload holds), the image's own default: with 8 GiB each, vLLM 0.24.0's server ran out of
-# memory beside 0.33.0's on an 80 GB H100 (run 12). The utilisation only passes vLLM's start-up
+# GLM-5 at real width (about 24 GiB of bf16 weights; 43 GiB with the MTP layer, whose two servers
+# need an H200): two servers side by side on one GPU, each with a fixed KV cache of 4 GiB (836,224
+# tokens without MTP, far more than any workload holds), the image's own default: with 8 GiB each,
+# vLLM 0.24.0's server ran out of memory beside 0.33.0's on an 80 GB H100 (run 12). The utilisation only passes vLLM's start-up
 # check of free memory with two servers starting together. VLLM_DEBUG_WORKSPACE=1 logs the
 # workspaces the memory check takes off the model's loading memory (memory_check.py).
 REALWIDTH_SERVERS = ("--kv-cache-memory-bytes", str(4 << 30), "--gpu-memory-utilization", "0.4")
