@@ -140,6 +140,7 @@ def test_the_bases_tables_are_the_reports():
     doc = _bench()
     a, b = (doc["environment"]["builds"][side]["versions"] for side in ("A", "B"))
     assert (a["vllm"], b["vllm"]) == ("0.24.0", "0.33.0") and a["overlay_receipt_sha256"] and b["overlay_receipt_sha256"]
+    assert (a["torch"], a["triton"], b["torch"], b["triton"]) == ("2.11.0", "3.6.0", "2.14.0", "3.8.0")
     rows = set(_rows())
     for line in (*report.table([doc]).splitlines(), *report.levels_table([doc]).splitlines()):
         assert line in rows
