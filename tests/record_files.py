@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from dsa_image.records import store as records
+from dsa_image.upstream import run as upstream_run
 
 REPO = Path(__file__).resolve().parent.parent
 VALIDATION = REPO / "docs" / "validation"
@@ -50,3 +51,15 @@ def readme_flat(record: Path) -> str:
 def readme_lines(record: Path) -> list[str]:
     """A record's README lines, indent stripped: its tables may sit inside a numbered list."""
     return [line.strip() for line in (record / records.README).read_text().splitlines()]
+
+
+# vLLM's ModelConfig on a machine that reaches no Hugging Face, once per test that names a model.
+NO_MODEL_CONFIG = re.compile(r"Invalid repository ID or local directory specified: '([^']+)'")
+
+
+def missing_model_configs(results: Path, side: str, test_file: str) -> list[str]:
+    """The Hugging Face models an upstream-gate file's logs on one side found no config for, one
+    per failure (results: the gate's upstream-tests directory)."""
+    stem = upstream_run.junit_name(test_file).removesuffix(".xml")
+    logs = sorted((results / side / "logs").glob(f"{stem}*.log"))
+    return [m for log in logs for m in NO_MODEL_CONFIG.findall(log.read_text(errors="replace"))]

@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import collections
 import json
-import re
 
 import pytest
 
 from dsa_image.upstream import compare as upstream_compare
 from dsa_image.upstream import run as upstream_run
-from record_files import VALIDATION, readme_flat, readme_lines, unpacked
+from record_files import VALIDATION, missing_model_configs, readme_flat, readme_lines, unpacked
 
 RECORD = VALIDATION / "h100-2026-12-06-vllm0_33_0-run11"
 STARTS = {"after-cold": "cold", "after-restart": "restart"}
 NIXL = "tests/v1/kv_connector/unit/test_nixl_desc_geometry.py"
 SPARSE = "tests/v1/attention/test_sparse_mla_backends.py"
 SIDES = ("stock", "overlay")
-NO_CONFIG = re.compile(r"Invalid repository ID or local directory specified: '([^']+)'")
 
 
 def _flat() -> str:
@@ -124,20 +122,13 @@ def test_the_totals_are_the_files_counts():
             f"and {t['skipped']} skipped on each side") in _flat()
 
 
-def _missing_configs(side: str, test_file: str) -> list[str]:
-    """The Hugging Face models a file's logs on one side found no config for, one per failure."""
-    stem = upstream_run.junit_name(test_file).removesuffix(".xml")
-    logs = sorted((_results() / side / "logs").glob(f"{stem}*.log"))
-    return [m for log in logs for m in NO_CONFIG.findall(log.read_text(errors="replace"))]
-
-
 def test_every_test_failing_on_both_sides_failed_for_a_missing_model_config():
     doc = _compare()
     by_model = collections.Counter()
     for path, result in doc["files"].items():
         fails = {side: result[side]["counts"]["failed"] + result[side]["counts"]["error"] for side in SIDES}
         assert len(result["fail_on_both"]) == fails["stock"] == fails["overlay"]
-        models = {side: _missing_configs(side, path) for side in SIDES}
+        models = {side: missing_model_configs(_results(), side, path) for side in SIDES}
         assert len(models["stock"]) == len(models["overlay"]) == fails["stock"], path
         assert collections.Counter(models["stock"]) == collections.Counter(models["overlay"])
         by_model.update(models["stock"])

@@ -8,19 +8,19 @@ compared with today's tree. No GPU."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import re
 
 from dsa_image.bench import report
 from dsa_image.upstream import compare as upstream_compare
 from dsa_image.upstream import run as upstream_run
-from record_files import VALIDATION, readme_flat, readme_lines, unpacked
+from record_files import NO_MODEL_CONFIG, VALIDATION, missing_model_configs, readme_flat, readme_lines, unpacked
 
 RECORD = VALIDATION / "h100-2026-12-06-vllm0_33_0-run12"
 SPARSE = "tests/v1/attention/test_sparse_mla_backends.py"
 DECODE = f"{SPARSE}::test_sparse_backend_decode_correctness["
 SIDES = ("stock", "overlay")
-NO_CONFIG = re.compile(r"Invalid repository ID or local directory specified: '([^']+)'")
 
 
 def _flat() -> str:
@@ -42,6 +42,7 @@ def _run(side: str) -> dict:
     return upstream_run.load_run(_results(), side)
 
 
+@functools.cache
 def _comparisons() -> dict[str, upstream_compare.FileComparison]:
     stock, overlay = (_run(side)["files"] for side in SIDES)
     assert set(stock) == set(overlay)
@@ -84,23 +85,16 @@ def test_the_totals_and_the_sparse_files_seconds():
     assert parts == {2} and f"took {seconds[0]} s on stock and {seconds[1]} s on the overlay over its two parts" in flat
 
 
-def _missing_configs(side: str, test_file: str) -> list[str]:
-    """The Hugging Face models a file's logs on one side found no config for, one per failure."""
-    stem = upstream_run.junit_name(test_file).removesuffix(".xml")
-    logs = sorted((_results() / side / "logs").glob(f"{stem}*.log"))
-    return [m for log in logs for m in NO_CONFIG.findall(log.read_text(errors="replace"))]
-
-
 def test_every_failure_on_both_sides_is_a_missing_model_config_or_the_decode_checks_unlogged_half():
     by_model, unlogged, total = collections.Counter(), 0, 0
     for path, c in _comparisons().items():
-        models = {side: _missing_configs(side, path) for side in SIDES}
+        models = {side: missing_model_configs(_results(), side, path) for side in SIDES}
         assert collections.Counter(models["stock"]) == collections.Counter(models["overlay"]), path
         fails = _fails(c.counts["stock"])
         assert len(c.fail_on_both) == fails
         # A test whose reason the gate kept says it; the rest are run 11's killed part, no log.
         kept = [f for f in c.fail_on_both if f.reason]
-        assert all(NO_CONFIG.search(f.reason) for f in kept), path
+        assert all(NO_MODEL_CONFIG.search(f.reason) for f in kept), path
         missing = [f for f in c.fail_on_both if not f.reason and len(models["stock"]) < fails]
         assert len(models["stock"]) + len(missing) == fails, path
         assert all(f.test.startswith(DECODE) for f in missing), path
