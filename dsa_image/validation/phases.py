@@ -29,9 +29,8 @@ from dsa_image.validation.runner import FAILED, OK, REFUSED, Paths, Refused, Ses
 # need an H200): two servers side by side on one GPU, each with a fixed KV cache of 4 GiB (836,224
 # tokens without MTP, far more than any workload holds), the image's own default: with 8 GiB each,
 # vLLM 0.24.0's server ran out of memory beside 0.33.0's on an 80 GB H100 (run 12). The
-# utilisation only passes vLLM's start-up check of free memory with two servers starting together.
-# VLLM_DEBUG_WORKSPACE=1 logs the workspaces the memory check takes off the model's loading memory
-# (memory_check.py).
+# utilisation only passes vLLM's start-up check of free memory with two servers starting together;
+# VLLM_DEBUG_WORKSPACE=1 logs the workspaces that check takes off loading memory (memory_check.py).
 REALWIDTH_SERVERS = ("--kv-cache-memory-bytes", str(4 << 30), "--gpu-memory-utilization", "0.4")
 REALWIDTH_ENV = {"VLLM_DEBUG_WORKSPACE": "1"}
 # The image's start (cold and restart), the first 3,000-token request within 1.2x the warm ones,
