@@ -27,6 +27,7 @@
 #   precompile  FlashInfer's JIT modules for the target's GPUs, in the runtime's cache layout + manifest
 #   overlay     our files over vLLM (scripts/overlay.py apply, fail closed) + the receipt
 #   upstream-overlay the same tests against the overlaid vLLM, compared with stock's: the gate
+#   runtime-code the image's own code (entrypoint, self-test, serving recipes) beside the overlay
 #   test        overlay verify + CPU tests against the installed vLLM
 #   test-results  their results and the gate's alone (bake target `test` exports them to build/test-results)
 #   runtime     non-root, labels, healthcheck, entrypoint (the default target)
@@ -285,25 +286,18 @@ ENV DSA_IMAGE_TOOL=/opt/dsa-image/tool \
     DSA_IMAGE_RECIPE=${RECIPE} \
     DSA_IMAGE_VLLM=${VLLM_VERSION} \
     DSA_IMAGE_TARGET=${TARGET}
-# Only what apply/verify and the entrypoint need: a change anywhere else in the repository
-# leaves this stage cached. Exactly the modules dsa_image/runtime/ and scripts/overlay.py import,
-# directly or not (tests/test_image_tree.py holds these lines to that import closure): no
-# build, benchmark, smoke or validation code in a user's image.
+# Only what apply and verify need: a change anywhere else in the repository, the runtime's own
+# code included, leaves this stage cached, and so the gate's overlay side (upstream-overlay,
+# FROM this stage) too. Exactly the modules scripts/overlay.py imports, directly or not
+# (tests/test_image_tree.py holds these lines to that import closure).
 COPY dsa_image/__init__.py ${DSA_IMAGE_TOOL}/dsa_image/
-COPY dsa_image/core/__init__.py dsa_image/core/atomic.py dsa_image/core/dist_info.py dsa_image/core/endpoint.py \
-     dsa_image/core/health.py dsa_image/core/recipe.py dsa_image/core/status.py dsa_image/core/wheels.py \
-     ${DSA_IMAGE_TOOL}/dsa_image/core/
+COPY dsa_image/core/__init__.py dsa_image/core/atomic.py dsa_image/core/dist_info.py dsa_image/core/recipe.py \
+     dsa_image/core/status.py dsa_image/core/wheels.py ${DSA_IMAGE_TOOL}/dsa_image/core/
 COPY dsa_image/build/__init__.py dsa_image/build/bake.py ${DSA_IMAGE_TOOL}/dsa_image/build/
 COPY dsa_image/overlay/ ${DSA_IMAGE_TOOL}/dsa_image/overlay/
 COPY dsa_image/rebase/ ${DSA_IMAGE_TOOL}/dsa_image/rebase/
-COPY dsa_image/runtime/ ${DSA_IMAGE_TOOL}/dsa_image/runtime/
-COPY dsa_image/serving/ ${DSA_IMAGE_TOOL}/dsa_image/serving/
 COPY scripts/overlay.py ${DSA_IMAGE_TOOL}/scripts/
 COPY recipes/${RECIPE}.toml ${DSA_IMAGE_TOOL}/recipes/
-# The serving recipes and their model facts: `docker run IMAGE recipe ...` reads them.
-COPY recipes/serve/ ${DSA_IMAGE_TOOL}/recipes/serve/
-COPY recipes/models/ ${DSA_IMAGE_TOOL}/recipes/models/
-COPY recipes/bugs/ ${DSA_IMAGE_TOOL}/recipes/bugs/
 # This base's overlay only: an edit of another base's leaves this stage cached.
 COPY overlay/vllm-${VLLM_VERSION}/ ${DSA_IMAGE_TOOL}/overlay/vllm-${VLLM_VERSION}/
 # RECEIPT_SHA256 is the receipt predicted from the base's manifest (docker-bake.json); the
@@ -332,7 +326,21 @@ RUN --mount=type=bind,from=upstream-bundle,source=/opt/dsa-image,target=/mnt/ups
     python -B "${tool}" compare "${results}" --bundle /mnt/upstream/upstream-tests --json "${results}/compare.json" | tee "${results}/compare.txt"
 
 # ---------------------------------------------------------------------------------------------
-FROM overlay AS test
+# The image's own code beside the overlaid site: the entrypoint, healthcheck, warm-up, self-test
+# and the serving recipes. With `overlay`, exactly the modules dsa_image/runtime/ and
+# scripts/overlay.py import (tests/test_image_tree.py): no build, benchmark, smoke or validation
+# code in a user's image.
+FROM overlay AS runtime-code
+COPY dsa_image/core/endpoint.py dsa_image/core/health.py ${DSA_IMAGE_TOOL}/dsa_image/core/
+COPY dsa_image/runtime/ ${DSA_IMAGE_TOOL}/dsa_image/runtime/
+COPY dsa_image/serving/ ${DSA_IMAGE_TOOL}/dsa_image/serving/
+# The serving recipes and their model facts: `docker run IMAGE recipe ...` reads them.
+COPY recipes/serve/ ${DSA_IMAGE_TOOL}/recipes/serve/
+COPY recipes/models/ ${DSA_IMAGE_TOOL}/recipes/models/
+COPY recipes/bugs/ ${DSA_IMAGE_TOOL}/recipes/bugs/
+
+# ---------------------------------------------------------------------------------------------
+FROM runtime-code AS test
 # pytest and friends from the dev lock, appended to sys.path after site-packages (a .pth file).
 # Before the tests are copied: a test edit does not reinstall them.
 COPY --from=test-libs /opt/dsa-image/test-libs/ /opt/dsa-image/test-libs/
@@ -384,7 +392,7 @@ COPY --from=upstream-overlay /opt/dsa-image/upstream-results/ /upstream-tests/
 COPY --from=upstream-bundle /opt/dsa-image/upstream-tests/bundle.json /upstream-tests/
 
 # ---------------------------------------------------------------------------------------------
-FROM overlay AS runtime
+FROM runtime-code AS runtime
 ARG RECEIPT_SHA256
 ARG VLLM_WHEEL_SHA256_AMD64
 ARG VLLM_WHEEL_SHA256_ARM64

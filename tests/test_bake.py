@@ -121,7 +121,7 @@ def test_test_target_builds_the_sm120_test_stage_and_exports_its_results(buildx)
         "FROM test-results-local AS test-results",  # and upstream's tests: the gate (docs/upstream-tests.md)
         "COPY --from=upstream-overlay /opt/dsa-image/upstream-results/ /upstream-tests/",
         "COPY --from=upstream-bundle /opt/dsa-image/upstream-tests/bundle.json /upstream-tests/"]
-    test_stage = dockerfile.split("FROM overlay AS test\n", 1)[1].split("FROM scratch AS test-results", 1)[0]
+    test_stage = dockerfile.split("FROM runtime-code AS test\n", 1)[1].split("FROM scratch AS test-results", 1)[0]
     assert "--junitxml=/opt/dsa-image/test-results/junit.xml" in test_stage
     assert "| tee /opt/dsa-image/test-results/verify.txt" in test_stage
 

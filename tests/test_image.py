@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 # Stages before `overlay`: an overlay-only change must take every one of their steps from cache.
 HEAVY_STAGES = {"base", "pins", "deps", "extras", "tiny-model", "precompile"}
-AFTER_OVERLAY = {"overlay", "test", "runtime"}
+AFTER_OVERLAY = {"overlay", "runtime-code", "test", "runtime"}
 
 
 def _run(client, image: str, *args: str, entrypoint: str | None = None,
@@ -51,7 +51,7 @@ def _in_image_test_files() -> set[str]:
     `test` target's): its globs expanded, less the other bases' overlay tests, which skip as a
     whole module there (tests/test_indexer_overlay_vllm<major>_<minor>.py)."""
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
-    stage = dockerfile.split("FROM overlay AS test\n", 1)[1].split("\nFROM ", 1)[0]
+    stage = dockerfile.split("FROM runtime-code AS test\n", 1)[1].split("\nFROM ", 1)[0]
     named = {str(path.relative_to(REPO_ROOT)) for pattern in re.findall(r"tests/test_[\w*]+\.py", stage)
              for path in REPO_ROOT.glob(pattern)}
     other_bases = {_overlay_test_file(base) for base in load_every_base()

@@ -2,10 +2,11 @@
 only the packages of the layers before it (LAYERS; docs/design.md), so none in a cycle, and no
 module grows past what one reader holds (MAX_MODULE_LINES).
 
-The image's `overlay` stage (Dockerfile) copies dsa_image/ file by file or package by package;
-the code it runs is dsa_image/runtime/ (entrypoint, healthcheck, warm-up, self-test) and the
-overlay tool's script the stage copies. What those import, at module level or inside a function, directly or
-not, is the closure; the stage must copy that and nothing else."""
+The image's `overlay` and `runtime-code` stages (Dockerfile) copy dsa_image/ file by file or
+package by package; the code they run is the overlay tool's script (`overlay`) and
+dsa_image/runtime/ (entrypoint, healthcheck, warm-up, self-test). What those import, at module
+level or inside a function, directly or not, is the closure; the stages must copy that and
+nothing else, `overlay` only its script's part."""
 
 from __future__ import annotations
 
@@ -67,9 +68,10 @@ def closure(roots: set[Path]) -> set[Path]:
     return seen
 
 
-def overlay_stage() -> str:
+def stage(name: str) -> str:
+    """The Dockerfile's stage NAME, from its FROM line to the next stage's."""
     text = (REPO / "Dockerfile").read_text()
-    start = text.index("FROM extras AS overlay")
+    start = re.search(rf"^FROM \S+ AS {re.escape(name)}$", text, re.M).start()
     return text[start:text.index("\nFROM ", start + 1)]
 
 
@@ -96,8 +98,9 @@ def copied(stage: str) -> tuple[set[Path], set[Path]]:
 
 
 def test_the_runtime_image_copies_exactly_what_its_code_imports():
-    files, scripts = copied(overlay_stage())
-    assert scripts == {REPO / "scripts" / "overlay.py"}
+    (apply_files, scripts), (runtime_files, more_scripts) = copied(stage("overlay")), copied(stage("runtime-code"))
+    assert scripts == {REPO / "scripts" / "overlay.py"} and not more_scripts
+    files = apply_files | runtime_files
     roots = set((PACKAGE / "runtime").glob("*.py")) | scripts
     needed = closure(roots) - scripts
     missing = sorted(str(p.relative_to(REPO)) for p in needed - files)
@@ -106,6 +109,18 @@ def test_the_runtime_image_copies_exactly_what_its_code_imports():
     assert not extra, f"the overlay stage copies modules the runtime never imports: {extra}"
     for concern in ("bench", "smoke", "validation", "upstream", "records"):
         assert not any((PACKAGE / concern) in f.parents for f in files), concern
+
+
+def test_the_overlay_stage_copies_only_what_apply_imports_so_runtime_edits_leave_the_gate_cached():
+    """The gate's overlay side (upstream-overlay) runs FROM `overlay`: what that stage copies is
+    its cache key, so it holds the overlay tool alone (scripts/overlay.py's closure) and the
+    runtime's own code comes after it, in `runtime-code`, which the gate does not build on."""
+    files, scripts = copied(stage("overlay"))
+    needed = closure(scripts) - scripts
+    assert files == needed, (f"copies {sorted(str(f.relative_to(REPO)) for f in files - needed)} apply does not "
+                             f"import, misses {sorted(str(f.relative_to(REPO)) for f in needed - files)}")
+    assert stage("upstream-overlay").startswith("FROM overlay AS upstream-overlay\n")
+    assert not any((PACKAGE / "runtime") in f.parents for f in files)
 
 
 def test_the_closure_follows_imports_inside_functions_too(tmp_path):

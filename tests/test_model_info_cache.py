@@ -132,11 +132,11 @@ def test_the_image_ships_the_entries_where_its_vllm_looks_and_the_test_stage_che
     # Emulated (the arm64 image on x86-64) the stage ships an empty directory and says so.
     assert 'if [[ "${BUILDPLATFORM}" != "${TARGETPLATFORM}" ]]' in fill
     assert f"mkdir -p {root.group(2)}/modelinfos" in fill and "no model info cached" in fill
-    runtime = _stage(dockerfile, "FROM overlay AS runtime")
+    runtime = _stage(dockerfile, "FROM runtime-code AS runtime")
     cache_root = re.search(r"VLLM_CACHE_ROOT=(\S+)", runtime).group(1)
     copy = f"COPY --from=model-info --chown=vllm:vllm {root.group(2)}/modelinfos/ {cache_root}/modelinfos/"
     assert copy in runtime
     assert cache_root in re.search(r"install -d -o vllm -g vllm [^\n]*\\\n[^\n]*", runtime).group(0)
-    test = _stage(dockerfile, "FROM overlay AS test")
+    test = _stage(dockerfile, "FROM runtime-code AS test")
     assert f"COPY --from=model-info {root.group(2)}/ /tmp/dsa-image/model-info/" in test
     assert "model_info_cache check --model /tmp/dsa-image/tiny-glm5 \\\n        --cache-root /tmp/dsa-image/model-info" in test
