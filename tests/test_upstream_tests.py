@@ -648,6 +648,18 @@ def test_a_reason_is_one_printable_line_of_at_most_the_limit():
     assert len(ut.one_line("y" * 2000)) == 500
 
 
+@pytest.mark.parametrize("text", ["x" * 499 + " tail", "x" * 499 + "\n\t tail", " lead\x00 " + "z" * 600, "a\u3000b "],
+                         ids=["cut-on-a-space", "cut-on-a-newline", "control-and-lead", "wide-space"])
+def test_a_reason_is_its_own_one_line_so_the_reader_takes_back_what_the_recorder_wrote(tmp_path, text):
+    """vLLM 0.24.0's gate on the CPU: a 500-character cut that ended on a space made a reason the
+    reader refused (not one_line of itself), and the whole stock run failed."""
+    reason = ut.one_line(text)
+    assert reason == ut.one_line(reason) and not reason.endswith(" ")
+    record = tmp_path / "r.jsonl"
+    record.write_text(json.dumps({"done": "tests/test_a.py::t", "outcome": "failed", "reason": reason}) + "\n")
+    assert ut.read_record(record, "tests/test_a.py").reasons == {"tests/test_a.py::t": reason}
+
+
 def test_junit_keeps_a_failures_message_as_its_reason(tmp_path):
     junit(tmp_path / "a.xml", [("ok", "passed"), ("bad", "failed"), ("err", "error"), ("skip", "skipped")])
     assert ut.junit_results(tmp_path / "a.xml", "tests/test_a.py")[1] == {"tests/test_a.py::bad": "x",
