@@ -380,14 +380,12 @@ RUN mkdir -p /opt/dsa-image/test-results; \
         tests/test_image_precompile.py
 
 # ---------------------------------------------------------------------------------------------
-# Only the in-image test results, for bake target `test` to export (build/test-results/), and
-# the gate's (build/test-results/upstream-tests/: each side's run.json, junit and logs per file,
-# compare.txt, compare.json and the bundle's bundle.json: what was selected from which sdist).
-FROM scratch AS test-results-local
+# Only the in-image test results, for bake target `test` (test-<base>) to export
+# (build/test-results/), and the gate's (build/test-results/upstream-tests/: each side's
+# run.json, junit and logs per file, compare.txt, compare.json and the bundle's bundle.json:
+# what was selected from which sdist).
+FROM scratch AS test-results
 COPY --from=test /opt/dsa-image/test-results/ /
-
-# The same with the gate's results: bake target `test` (and test-<base>).
-FROM test-results-local AS test-results
 COPY --from=upstream-overlay /opt/dsa-image/upstream-results/ /upstream-tests/
 COPY --from=upstream-bundle /opt/dsa-image/upstream-tests/bundle.json /upstream-tests/
 

@@ -165,15 +165,3 @@ target "precompiled" {
   output    = ["type=local,dest=build/precompiled-${image_target}"]
   attest    = []
 }
-
-# A base's in-image tests without the gate of upstream's tests (test-local-<base>, results in
-# build/test-results-local-<base>/): what CI builds for every base but the default. Such a
-# base's gate (tens of minutes of a 2-core machine, more files than the default's) is
-# `test-<base>`, due when that base's overlay changes.
-target "base-test-local" {
-  name     = "test-local-${base_name(vllm)}"
-  matrix   = { vllm = VLLM_VERSIONS }
-  inherits = ["test-${base_name(vllm)}"]
-  target   = "test-results-local"
-  output   = ["type=local,dest=build/test-results-local-${base_name(vllm)}"]
-}

@@ -154,8 +154,8 @@ def test_ci_and_its_docs_name_the_targets_ci_builds():
         named = set(re.findall(r"\b[a-z0-9]+-(vllm\d+_\d+_\d+)\b", text))
         assert named <= suffixes, f"{where} names the default base by its suffix: {sorted(named - suffixes)}"
     for where in (".ci/run", "docs/image.md, CI"):
-        assert {base.bake_target("test-local") for base in others} <= set(
-            re.findall(r"\btest-local-vllm\d+_\d+_\d+\b", _ci_texts()[where])), where
+        assert {base.bake_target("test") for base in others} <= set(
+            re.findall(r"\btest-vllm\d+_\d+_\d+\b", _ci_texts()[where])), where
 
 
 # -- scripts/build_arm64.py against a fake docker CLI -----------------------------------------
