@@ -101,8 +101,9 @@ def test_every_other_base_builds_its_test_target_and_passes_its_in_image_tests_a
     """A base that is not the default still builds, passes its arch checks and overlay verify,
     passes the in-image tests against its own vLLM (shared code, arch_check, the memory plan,
     the recipes, the precompile step, changes under it too) and its own gate of upstream's
-    tests, stock vs overlay: the gate re-runs only when that base's overlay, the overlay tool
-    or the gate's tool changes, the stock side only with the bundle (docs/upstream-tests.md)."""
+    tests, stock vs overlay: the gate re-runs only when that base's overlay, the overlay tool,
+    the gate's tool or its `extras` changes, the stock side only with the bundle or `extras`
+    (docs/upstream-tests.md)."""
     result = build_target(base.bake_target("test"))
     assert result.exported == (REPO_ROOT / "build" / base.bake_target("test-results")).resolve()
     run = image_build.read_test_results(result.exported)

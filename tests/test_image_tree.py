@@ -71,8 +71,9 @@ def closure(roots: set[Path]) -> set[Path]:
 def stage(name: str) -> str:
     """The Dockerfile's stage NAME, from its FROM line to the next stage's."""
     text = (REPO / "Dockerfile").read_text()
-    start = re.search(rf"^FROM \S+ AS {re.escape(name)}$", text, re.M).start()
-    return text[start:text.index("\nFROM ", start + 1)]
+    found = re.search(rf"^FROM \S+ AS {re.escape(name)}$", text, re.M)
+    assert found, f"the Dockerfile has no stage {name!r}"
+    return text[found.start():text.index("\nFROM ", found.start() + 1)]
 
 
 def joined_lines(dockerfile: str) -> list[str]:
