@@ -15,6 +15,7 @@ from dsa_image.build import image_build
 from dsa_image.build.bake import bake_variables
 from dsa_image.overlay.cli import predicted_receipt_sha256
 from dsa_image.core.recipe import load_every_base, load_recipe
+from test_image_tree import stage
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()
@@ -109,13 +110,12 @@ def test_test_target_builds_the_sm120_test_stage_and_exports_its_results(buildx)
         dest = "build/test-results" if name == "test" else f"build/test-results-{name.removeprefix('test-')}"
         assert resolved["output"] == [{"type": "local", "dest": dest}]
         assert "tags" not in resolved or resolved["tags"] == []
-    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
-    stage = dockerfile.split("FROM scratch AS test-results\n", 1)[1].split("\n# ---", 1)[0]
-    assert [line for line in stage.strip().splitlines() if not line.startswith("#") and line] == [
+    assert [line for line in stage("test-results").splitlines() if not line.startswith("#") and line] == [
+        "FROM scratch AS test-results",
         "COPY --from=test /opt/dsa-image/test-results/ /",  # and upstream's tests: the gate (docs/upstream-tests.md)
         "COPY --from=upstream-overlay /opt/dsa-image/upstream-results/ /upstream-tests/",
         "COPY --from=upstream-bundle /opt/dsa-image/upstream-tests/bundle.json /upstream-tests/"]
-    test_stage = dockerfile.split("FROM runtime-code AS test\n", 1)[1].split("FROM scratch AS test-results", 1)[0]
+    test_stage = stage("test")
     assert "--junitxml=/opt/dsa-image/test-results/junit.xml" in test_stage
     assert "| tee /opt/dsa-image/test-results/verify.txt" in test_stage
 

@@ -20,6 +20,7 @@ from dsa_image.core import status
 from dsa_image.upstream import gate as upstream_tests
 from dsa_image.overlay.cli import manifest_path, predicted_receipt_sha256
 from dsa_image.core.recipe import load_every_base, load_recipe
+from test_image_tree import stage
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe()
@@ -50,9 +51,7 @@ def _in_image_test_files() -> set[str]:
     """The test files the Dockerfile's `test` stage runs and reports for the default base (the
     `test` target's): its globs expanded, less the other bases' overlay tests, which skip as a
     whole module there (tests/test_indexer_overlay_vllm<major>_<minor>.py)."""
-    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
-    stage = dockerfile.split("FROM runtime-code AS test\n", 1)[1].split("\nFROM ", 1)[0]
-    named = {str(path.relative_to(REPO_ROOT)) for pattern in re.findall(r"tests/test_[\w*]+\.py", stage)
+    named = {str(path.relative_to(REPO_ROOT)) for pattern in re.findall(r"tests/test_[\w*]+\.py", stage("test"))
              for path in REPO_ROOT.glob(pattern)}
     other_bases = {_overlay_test_file(base) for base in load_every_base()
                    if base.vllm_version != load_recipe().vllm_version}

@@ -69,11 +69,11 @@ def closure(roots: set[Path]) -> set[Path]:
 
 
 def stage(name: str) -> str:
-    """The Dockerfile's stage NAME, from its FROM line to the next stage's."""
+    """The Dockerfile's stage NAME, from its FROM line to the next stage's (or the file's end)."""
     text = (REPO / "Dockerfile").read_text()
     found = re.search(rf"^FROM \S+ AS {re.escape(name)}$", text, re.M)
     assert found, f"the Dockerfile has no stage {name!r}"
-    return text[found.start():text.index("\nFROM ", found.start() + 1)]
+    return text[found.start():].split("\nFROM ", 1)[0]
 
 
 def joined_lines(dockerfile: str) -> list[str]:

@@ -111,32 +111,29 @@ def test_a_directory_without_config_json_is_bad_input(tmp_path, capsys):
     assert "expected a Hugging Face config.json" in capsys.readouterr().err
 
 
-def _stage(dockerfile: str, header: str) -> str:
-    return dockerfile.split(header + "\n", 1)[1].split("\nFROM ", 1)[0]
-
-
 def test_the_model_info_stage_copies_every_module_of_ours_the_tool_imports():
-    from test_image_tree import closure, copied
+    from test_image_tree import closure, copied, stage
 
     tool = REPO / "dsa_image" / "build" / "model_info_cache.py"
-    files, _ = copied(_stage((REPO / "Dockerfile").read_text(), "FROM extras AS model-info"))
+    files, _ = copied(stage("model-info"))
     needed = closure({tool})
     assert len(needed) > 2 and needed <= files, sorted(str(p.relative_to(REPO)) for p in needed - files)
 
 
 def test_the_image_ships_the_entries_where_its_vllm_looks_and_the_test_stage_checks_those():
-    dockerfile = (REPO / "Dockerfile").read_text()
-    fill = _stage(dockerfile, "FROM extras AS model-info")
+    from test_image_tree import stage
+
+    fill = stage("model-info")
     root = re.search(r"model_info_cache fill \\\s+--model (\S+) --cache-root ([^\s;]+)", fill)
     assert root, fill
     # Emulated (the arm64 image on x86-64) the stage ships an empty directory and says so.
     assert 'if [[ "${BUILDPLATFORM}" != "${TARGETPLATFORM}" ]]' in fill
     assert f"mkdir -p {root.group(2)}/modelinfos" in fill and "no model info cached" in fill
-    runtime = _stage(dockerfile, "FROM runtime-code AS runtime")
+    runtime = stage("runtime")
     cache_root = re.search(r"VLLM_CACHE_ROOT=(\S+)", runtime).group(1)
     copy = f"COPY --from=model-info --chown=vllm:vllm {root.group(2)}/modelinfos/ {cache_root}/modelinfos/"
     assert copy in runtime
     assert cache_root in re.search(r"install -d -o vllm -g vllm [^\n]*\\\n[^\n]*", runtime).group(0)
-    test = _stage(dockerfile, "FROM runtime-code AS test")
+    test = stage("test")
     assert f"COPY --from=model-info {root.group(2)}/ /tmp/dsa-image/model-info/" in test
     assert "model_info_cache check --model /tmp/dsa-image/tiny-glm5 \\\n        --cache-root /tmp/dsa-image/model-info" in test

@@ -570,8 +570,8 @@ def test_supervisor_without_a_server_command_is_a_usage_error():
 
 
 def runtime_stage() -> str:
-    dockerfile = (REPO / "Dockerfile").read_text()
-    return dockerfile.split("FROM runtime-code AS runtime\n", 1)[1].split("\nFROM ", 1)[0]
+    from test_image_tree import stage
+    return stage("runtime")
 
 
 def runtime_env() -> dict[str, str]:
